@@ -1,0 +1,170 @@
+"""Packing for `datasets.IterableDataset`: best-fit over a bounded buffer instead of the whole dataset.
+
+Sequences are read `buffer_size` at a time and packed with `pack_sequences`. Bins at least `_MIN_FILL` full are
+emitted; the documents of the emptier ones go back into the buffer to meet the next sequences (at most half a buffer
+of them, so every round makes progress), and only the last round emits whatever is left. Memory is bounded by the
+buffer. The trade-off: a document only meets partners within its buffer, so rows are a little less full than with the
+global packing of a map-style dataset (measured in tests/test_dataset.py), and the rows' order follows the stream.
+"""
+
+import logging
+from collections.abc import Iterator
+
+import datasets
+import numpy as np
+
+from .binpack import pack_sequences, seed_from_components
+from .dataset import IGNORE_INDEX, MASK_COLUMNS
+from .errors import PackingTypeError, PackingValueError
+from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+
+
+logger = logging.getLogger(__name__)
+
+_MIN_FILL = 0.99  # a bin this full is emitted rather than offered more partners
+_FEATURES = datasets.Features(
+    {name: datasets.List(datasets.Value("int32")) for name in ("input_ids", "labels", "position_ids", "seq_lengths")}
+)
+_COUNTS = ("empty_sequences", "dropped_sequences", "dropped_tokens", "truncated_sequences", "truncated_tokens",
+           "split_sequences")
+
+
+def pack_iterable_dataset(
+    dataset: datasets.IterableDataset,
+    max_length: int,
+    *,
+    buffer_size: int = 10_000,
+    strategy: str = "bfd",
+    seed: int | None = None,
+    overflow: OverflowPolicy = "error",
+    max_docs_per_bin: int | None = None,
+) -> datasets.IterableDataset:
+    """
+    Pack a streamed dataset lazily: the same rows and columns as [`~llm_packing.dataset.pack_dataset`], produced
+    while iterating, from a buffer of `buffer_size` sequences.
+
+    Args:
+        dataset ([`~datasets.IterableDataset`]):
+            Examples with `input_ids` and optionally `labels`, `completion_mask`, `assistant_masks`.
+        max_length (`int`):
+            Tokens per packed row.
+        buffer_size (`int`, *optional*, defaults to `10000`):
+            Sequences packed together. Larger buffers pack tighter and hold more examples in memory.
+        strategy, seed, overflow, max_docs_per_bin:
+            As for [`~llm_packing.dataset.pack_dataset`]; `overflow="error"` raises when the stream reaches the
+            first over-long sequence.
+
+    Returns:
+        [`~datasets.IterableDataset`]: packed rows; the stats are logged on the `llm_packing` logger once the stream
+        has been consumed.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> stream = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]}).to_iterable_dataset()
+    >>> [row["seq_lengths"] for row in pack_iterable_dataset(stream, 4)]
+    [[3, 1], [2]]
+
+    ```
+    """
+    check_max_length(max_length)
+    check_overflow_policy(overflow)
+    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
+        raise PackingValueError(f"`buffer_size` must be an integer >= 2 (sequences per buffer), got {buffer_size!r}.")
+    options = dict(max_length=max_length, buffer_size=buffer_size, strategy=strategy, seed=seed, overflow=overflow,
+                   max_docs_per_bin=max_docs_per_bin)
+    return datasets.IterableDataset.from_generator(
+        _packed_rows, features=_FEATURES, gen_kwargs={"dataset": dataset, "options": options}
+    )
+
+
+def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
+    max_length, buffer_size, overflow = options["max_length"], options["buffer_size"], options["overflow"]
+    buffer: list[tuple[np.ndarray, np.ndarray]] = []
+    counts = dict.fromkeys(_COUNTS, 0)
+    bin_tokens: list[int] = []
+    rounds = 0
+    for row, example in enumerate(dataset):
+        input_ids, labels = _document(example, row)
+        pieces = cut_pieces(np.array([len(input_ids)]), max_length, overflow, first_row=row)
+        for name, value in pieces.counts().items():
+            counts[name] += value
+        buffer.extend((input_ids[s : s + n], labels[s : s + n]) for s, n in zip(pieces.start, pieces.length))
+        if len(buffer) >= buffer_size:
+            buffer = yield from _emit(buffer, options, rounds, bin_tokens, final=False)
+            rounds += 1
+    yield from _emit(buffer, options, rounds, bin_tokens, final=True)
+    tokens = sum(bin_tokens)
+    efficiency = tokens / (len(bin_tokens) * max_length) if bin_tokens else 1.0
+    logger.info(
+        "pack_dataset (streaming, buffer_size=%d): %d rows, %d tokens, efficiency %.4f (lower bound %d rows); %s",
+        buffer_size, len(bin_tokens), tokens, efficiency, -(-tokens // max_length),
+        ", ".join(f"{name}={value}" for name, value in counts.items()),
+    )
+
+
+def _emit(buffer, options, round_index, bin_tokens, *, final):
+    """Pack `buffer`, yield the full-enough rows (all of them if `final`), return the documents carried over."""
+    lengths = np.array([len(ids) for ids, _ in buffer], dtype=np.int64)
+    seed = None if options["seed"] is None else seed_from_components(options["seed"], round_index)
+    result = pack_sequences(lengths, options["max_length"], strategy=options["strategy"], seed=seed,
+                            max_docs_per_bin=options["max_docs_per_bin"])
+    bins = np.split(result.order, result.bin_offsets[1:-1])
+    fill = np.asarray(result.bin_token_counts) / options["max_length"]
+    carried_bins, carried_documents = set(), 0
+    if not final:
+        for b in np.argsort(fill, kind="stable"):
+            if fill[b] >= _MIN_FILL or carried_documents + len(bins[b]) > options["buffer_size"] // 2:
+                break
+            carried_bins.add(b)
+            carried_documents += len(bins[b])
+    for b, documents in enumerate(bins):
+        if b not in carried_bins:
+            bin_tokens.append(int(lengths[documents].sum()))
+            yield _row([buffer[d] for d in documents])
+    return [buffer[d] for b in sorted(carried_bins) for d in bins[b]]
+
+
+def _row(documents: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[int]]:
+    seq_lengths = np.array([len(ids) for ids, _ in documents], dtype=np.int32)
+    labels = np.concatenate([labels for _, labels in documents])
+    starts = np.cumsum(seq_lengths) - seq_lengths
+    labels[starts] = IGNORE_INDEX
+    # Plain lists: `from_generator` hands rows on as they are, and users expect what a map-style dataset yields.
+    return {
+        "input_ids": np.concatenate([ids for ids, _ in documents]).tolist(),
+        "labels": labels.tolist(),
+        "position_ids": (np.arange(int(seq_lengths.sum())) - np.repeat(starts, seq_lengths)).tolist(),
+        "seq_lengths": seq_lengths.tolist(),
+    }
+
+
+def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
+    if "input_ids" not in example:
+        raise PackingValueError(
+            f"Example {row} has no 'input_ids' (keys: {sorted(example)}). Tokenize the stream first, e.g. "
+            "`dataset.map(lambda ex: tokenizer(ex['text']))`."
+        )
+    input_ids = _integers(example["input_ids"], "input_ids", row)
+    if len(input_ids) and input_ids.min() < 0:
+        raise PackingValueError(f"'input_ids' of example {row} holds {input_ids.min()!r}; token ids are >= 0.")
+    labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
+    for name in MASK_COLUMNS:
+        if example.get(name) is not None:
+            labels[_integers(example[name], name, row, len(input_ids)) == 0] = IGNORE_INDEX
+    return input_ids, labels
+
+
+def _integers(values, name: str, row: int, expected_length: int | None = None) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool or array.size == 0):
+        raise PackingTypeError(
+            f"{name!r} of example {row} must be a flat list of integers, got dtype {array.dtype} and shape "
+            f"{array.shape}. Tokenize the text and cast the ids to integers first."
+        )
+    if expected_length is not None and len(array) != expected_length:
+        raise PackingValueError(
+            f"{name!r} of example {row} has {len(array)} values but 'input_ids' has {expected_length}. Every token "
+            f"needs exactly one {name!r} entry; fix that example's preprocessing."
+        )
+    return array.astype(np.int32)

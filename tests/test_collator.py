@@ -1,0 +1,164 @@
+import numpy as np
+import pytest
+import torch
+
+from llm_packing import patch
+from llm_packing.collator import DataCollatorWithPacking
+from llm_packing.errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
+
+
+# Two packed rows: documents [1, 2] + [3, 4, 5], and [6, 7] alone; row 1 carries its own labels.
+ROWS = [
+    {"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, -100, 4, 5], "seq_lengths": [2, 3]},
+    {"input_ids": [6, 7], "seq_lengths": [2]},
+]
+
+
+@pytest.fixture
+def configured(monkeypatch):
+    monkeypatch.setattr(patch, "is_packing_configured", lambda: True)
+
+
+@pytest.fixture
+def unconfigured(monkeypatch):
+    monkeypatch.setattr(patch, "is_packing_configured", lambda: False)
+
+
+def assert_batch(batch, expected):
+    assert sorted(batch) == sorted(expected)
+    for key, value in expected.items():
+        if isinstance(value, int):
+            assert batch[key] == value and type(batch[key]) is int, key
+        else:
+            assert torch.equal(batch[key], torch.tensor(value, dtype=batch[key].dtype)), (key, batch[key])
+            assert batch[key].dtype == (torch.int32 if key.startswith("cu_seq_lens") else torch.int64), key
+
+
+class TestPackedRows:
+    def test_default_emits_indexed_mask(self, configured):
+        batch = DataCollatorWithPacking(pad_token_id=0)(ROWS)
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]],
+            "labels": [[-100, 2, -100, 4, 5], [-100, 7, -100, -100, -100]],
+            "position_ids": [[0, 1, 0, 1, 2], [0, 1, 0, 0, 0]],
+            "attention_mask": [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]],
+        })
+
+    def test_pad_to_multiple_of(self, configured):
+        batch = DataCollatorWithPacking(pad_token_id=9, pad_to_multiple_of=4)(ROWS)
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 4, 5, 9, 9, 9], [6, 7, 9, 9, 9, 9, 9, 9]],
+            "labels": [[-100, 2, -100, 4, 5, -100, -100, -100], [-100, 7, -100, -100, -100, -100, -100, -100]],
+            "position_ids": [[0, 1, 0, 1, 2, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0]],
+            "attention_mask": [[1, 1, 2, 2, 2, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]],
+        })
+
+    def test_padding_free_flattens_without_mask(self, unconfigured):
+        batch = DataCollatorWithPacking(padding_free=True, pad_to_multiple_of=4)(ROWS)
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 4, 5, 6, 7, 0]],
+            "labels": [[-100, 2, -100, 4, 5, -100, 7, -100]],
+            "position_ids": [[0, 1, 0, 1, 2, 0, 1, 0]],
+        })
+
+    def test_flash_attn_kwargs_count_each_rows_padding_once(self, unconfigured):
+        batch = DataCollatorWithPacking(return_flash_attn_kwargs=True, pad_to_multiple_of=4)(ROWS)
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 0, 0, 0, 0, 0, 0]],
+            "labels": [[-100, 2, -100, 4, 5, -100, -100, -100], [-100, 7, -100, -100, -100, -100, -100, -100]],
+            "position_ids": [[0, 1, 0, 1, 2, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0]],
+            "cu_seq_lens_q": [0, 2, 5, 8, 10, 16],
+            "cu_seq_lens_k": [0, 2, 5, 8, 10, 16],
+            "max_length_q": 6,
+            "max_length_k": 6,
+        })
+
+    def test_flash_attn_kwargs_padding_free(self, unconfigured):
+        batch = DataCollatorWithPacking(padding_free=True, return_flash_attn_kwargs=True)(ROWS)
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 4, 5, 6, 7]],
+            "labels": [[-100, 2, -100, 4, 5, -100, 7]],
+            "position_ids": [[0, 1, 0, 1, 2, 0, 1]],
+            "cu_seq_lens_q": [0, 2, 5, 7],
+            "cu_seq_lens_k": [0, 2, 5, 7],
+            "max_length_q": 3,
+            "max_length_k": 3,
+        })
+
+    def test_accepts_tensors_and_numpy(self, configured):
+        rows = [{key: torch.tensor(value) for key, value in ROWS[0].items()},
+                {key: np.array(value) for key, value in ROWS[1].items()}]
+        expected = DataCollatorWithPacking()(ROWS)
+        batch = DataCollatorWithPacking()(rows)
+        assert all(torch.equal(batch[key], expected[key]) for key in expected)
+
+    def test_many_documents_per_row(self, configured):
+        batch = DataCollatorWithPacking()([{"input_ids": list(range(300)), "seq_lengths": [1] * 300}])
+        assert batch["attention_mask"].tolist() == [list(range(1, 301))]
+        assert batch["position_ids"].tolist() == [[0] * 300]
+        assert batch["labels"].tolist() == [[-100] * 300]
+
+
+class TestRawExamples:
+    def test_packs_within_batch_to_max_length(self, configured):
+        examples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6], "labels": [-100]}]
+        batch = DataCollatorWithPacking(max_length=4)(examples)
+        # Best-fit decreasing: [1, 2, 3] then [4, 5] each open a row; [6] fills the first.
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3, 6], [4, 5, 0, 0]],
+            "labels": [[-100, 2, 3, -100], [-100, 5, -100, -100]],
+            "position_ids": [[0, 1, 2, 0], [0, 1, 0, 0]],
+            "attention_mask": [[1, 1, 1, 2], [1, 1, 0, 0]],
+        })
+
+    def test_without_max_length_one_example_per_row(self, unconfigured):
+        batch = DataCollatorWithPacking()([{"input_ids": [1, 2, 3]}, {"input_ids": []}, {"input_ids": [4]}])
+        assert_batch(batch, {
+            "input_ids": [[1, 2, 3], [4, 0, 0]],
+            "labels": [[-100, 2, 3], [-100, -100, -100]],
+            "position_ids": [[0, 1, 2], [0, 0, 0]],
+            "attention_mask": [[1, 1, 1], [1, 0, 0]],
+        })
+
+
+class TestMismatches:
+    def test_unconfigured_model_is_refused(self, unconfigured):
+        with pytest.raises(ContaminationError, match=r"configure_packing\(model\)"):
+            DataCollatorWithPacking()(ROWS)
+
+    def test_unconfigured_check_can_be_turned_off(self, unconfigured):
+        batch = DataCollatorWithPacking(check_model_configured=False)(ROWS)
+        assert batch["attention_mask"].tolist() == [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]]
+
+    def test_one_document_per_row_needs_no_hook(self, unconfigured):
+        batch = DataCollatorWithPacking()([ROWS[1]])
+        assert batch["attention_mask"].tolist() == [[1, 1]]
+
+    def test_labels_length_mismatch(self):
+        with pytest.raises(PackingValueError, match=r"Feature 1 has 2 'labels' but 3 'input_ids'"):
+            DataCollatorWithPacking()([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}])
+
+    def test_mixed_packed_and_raw(self):
+        with pytest.raises(PackingValueError, match=r"Features \[1\] have no 'seq_lengths'"):
+            DataCollatorWithPacking()([ROWS[0], {"input_ids": [1, 2]}])
+
+    def test_row_longer_than_max_length(self):
+        with pytest.raises(SequenceTooLongError, match=r"Feature 0 has a row of 5 tokens.*`max_length`=4"):
+            DataCollatorWithPacking(max_length=4)(ROWS)
+
+    def test_document_longer_than_max_length(self):
+        with pytest.raises(SequenceTooLongError, match=r"Feature 1 has a document of 3 tokens.*`max_length`=2"):
+            DataCollatorWithPacking(max_length=2)([{"input_ids": [1]}, {"input_ids": [1, 2, 3]}])
+
+    def test_seq_lengths_must_sum_to_row(self):
+        with pytest.raises(PackingValueError, match=r"`seq_lengths`=\[2, 2\].*sum to its 5 'input_ids'"):
+            DataCollatorWithPacking()([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 2]}])
+
+    def test_float_ids(self):
+        with pytest.raises(PackingTypeError, match=r"'input_ids' of feature 0 must be a flat list of integers"):
+            DataCollatorWithPacking()([{"input_ids": [1.5, 2.0]}])
+
+    @pytest.mark.parametrize("option", [{"max_length": 0}, {"pad_to_multiple_of": -8}, {"return_tensors": "np"}])
+    def test_bad_options(self, option):
+        with pytest.raises(PackingValueError, match=next(iter(option))):
+            DataCollatorWithPacking(**option)

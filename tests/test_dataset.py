@@ -1,0 +1,217 @@
+import logging
+
+import datasets
+import numpy as np
+import pytest
+from datasets import Dataset, DatasetDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_packing import dataset as dataset_module
+from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
+from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
+
+
+SMALL = {"input_ids": [[1, 2, 3], [4, 5], [6]]}
+INT32_LISTS = {name: datasets.List(datasets.Value("int32"))
+               for name in ("input_ids", "labels", "position_ids", "seq_lengths")}
+
+
+def documents_out(rows):
+    """(tokens, labels after the first) of every packed document; checks the per-row invariants on the way."""
+    out = []
+    for row in rows:
+        bounds = np.cumsum([0, *row["seq_lengths"]])
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == bounds[-1]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            assert row["position_ids"][start:end] == list(range(end - start))
+            assert row["labels"][start] == -100
+            out.append((tuple(row["input_ids"][start:end]), tuple(row["labels"][start + 1 : end])))
+    return sorted(out)
+
+
+def documents_expected(input_ids, labels, max_length, overflow):
+    """The same, computed from the overflow policy's contract on the raw sequences."""
+    expected = []
+    for ids, lab in zip(input_ids, labels):
+        if overflow == "drop" and len(ids) > max_length:
+            continue
+        stop = min(len(ids), max_length) if overflow == "truncate" else len(ids)
+        step = max_length if overflow == "split" else max(stop, 1)
+        expected += [(tuple(ids[i : i + step][: stop - i]), tuple(lab[i + 1 : min(i + step, stop)]))
+                     for i in range(0, stop, step)]
+    return sorted(expected)
+
+
+class TestPackDataset:
+    def test_hand_example(self):
+        packed = pack_dataset(Dataset.from_dict(SMALL), 4)
+        assert packed.to_dict() == {
+            "input_ids": [[1, 2, 3, 6], [4, 5]],
+            "labels": [[-100, 2, 3, -100], [-100, 5]],
+            "position_ids": [[0, 1, 2, 0], [0, 1]],
+            "seq_lengths": [[3, 1], [2]],
+        }
+        assert packed.features == datasets.Features(INT32_LISTS)
+
+    def test_masks_become_labels_and_other_columns_are_dropped(self):
+        ds = Dataset.from_dict({
+            "input_ids": [[1, 2, 3, 4], [5, 6]],
+            "completion_mask": [[0, 0, 1, 1], [1, 1]],
+            "assistant_masks": [[1, 1, 1, 0], [1, 1]],
+            "text": ["a", "b"],
+        })
+        assert pack_dataset(ds, 6).to_dict()["labels"] == [[-100, -100, 3, -100, -100, 6]]
+
+    def test_labels_column_is_used(self):
+        ds = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[7, -100, 9]]})
+        assert pack_dataset(ds, 3)["labels"] == [[-100, -100, 9]]
+
+    def test_more_than_32767_documents_per_row(self):
+        ds = Dataset.from_dict({"input_ids": [[i % 100] for i in range(40_000)]})
+        packed = pack_dataset(ds, 40_000)
+        assert packed.features == datasets.Features(INT32_LISTS)
+        row = packed.with_format("numpy")[0]
+        assert len(row["seq_lengths"]) == 40_000
+        assert (row["position_ids"] == 0).all() and (row["labels"] == -100).all()
+
+    def test_selected_rows_only(self):
+        packed = pack_dataset(Dataset.from_dict(SMALL).select([2, 0]), 4)
+        assert packed["input_ids"] == [[1, 2, 3, 6]]
+
+    def test_dataset_dict_packs_each_split(self):
+        splits = DatasetDict({"train": Dataset.from_dict(SMALL), "test": Dataset.from_dict({"input_ids": [[7, 8]]})})
+        packed, stats = pack_dataset(splits, 4, return_stats=True)
+        assert packed["train"]["seq_lengths"] == [[3, 1], [2]] and packed["test"]["input_ids"] == [[7, 8]]
+        assert (stats["train"].num_bins, stats["train"].num_tokens, stats["test"].num_bins) == (2, 6, 1)
+
+    def test_stats_are_logged(self, caplog):
+        with caplog.at_level(logging.INFO, logger="llm_packing"):
+            pack_dataset(Dataset.from_dict(SMALL), 4)
+        assert any(r.name.startswith("llm_packing") and "num_bins=2" in r.getMessage() for r in caplog.records)
+
+    def test_row_offsets_past_int32_use_large_lists(self, monkeypatch):
+        monkeypatch.setattr(dataset_module, "_MAX_LIST_OFFSET", 4)
+        packed = pack_dataset(Dataset.from_dict(SMALL), 4)
+        assert packed.features["input_ids"] == datasets.LargeList(datasets.Value("int32"))
+        assert packed.features["seq_lengths"] == datasets.List(datasets.Value("int32"))
+        assert packed["input_ids"] == [[1, 2, 3, 6], [4, 5]]
+
+
+class TestOverflow:
+    DS = {"input_ids": [[1, 2, 3, 4, 5], [], [6, 7], [8, 9, 10, 11, 12, 13, 14]]}
+
+    def test_error_names_count_longest_row_and_fix(self):
+        with pytest.raises(SequenceTooLongError, match=r"2 sequence\(s\).*`max_length`=3.*7 tokens \(row 3\).*split"):
+            pack_dataset(Dataset.from_dict(self.DS), 3)
+
+    @pytest.mark.parametrize(
+        "overflow, counts, num_tokens",
+        [
+            ("truncate", {"truncated_sequences": 2, "truncated_tokens": 6}, 8),
+            ("split", {"split_sequences": 2}, 14),
+            ("drop", {"dropped_sequences": 2, "dropped_tokens": 12}, 2),
+        ],
+    )
+    def test_counts(self, overflow, counts, num_tokens):
+        _, stats = pack_dataset(Dataset.from_dict(self.DS), 3, overflow=overflow, return_stats=True)
+        everything = dict.fromkeys(
+            ["dropped_sequences", "dropped_tokens", "truncated_sequences", "truncated_tokens", "split_sequences"], 0
+        )
+        assert {name: getattr(stats, name) for name in everything} == {**everything, **counts}
+        assert (stats.empty_sequences, stats.num_tokens) == (1, num_tokens)
+
+    def test_split_chunks_are_separate_documents(self):
+        packed = pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5]]}), 2, overflow="split")
+        assert sorted(map(tuple, packed["input_ids"])) == [(1, 2), (3, 4), (5,)]
+        assert sorted(map(tuple, packed["position_ids"])) == [(0,), (0, 1), (0, 1)]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        lengths=st.lists(st.integers(0, 12), min_size=1, max_size=30),
+        max_length=st.integers(1, 10),
+        overflow=st.sampled_from(["truncate", "split", "drop", "error"]),
+        with_labels=st.booleans(),
+    )
+    def test_conservation(self, lengths, max_length, overflow, with_labels):
+        rng = np.random.default_rng(sum(lengths) + max_length)
+        input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
+        labels = [np.where(rng.random(n) < 0.3, -100, ids).tolist() for n, ids in zip(lengths, input_ids)]
+        columns = {"input_ids": input_ids, **({"labels": labels} if with_labels else {})}
+        ds = Dataset.from_dict(columns, features=datasets.Features({k: INT32_LISTS["input_ids"] for k in columns}))
+        if overflow == "error" and max(lengths) > max_length:
+            with pytest.raises(SequenceTooLongError):
+                pack_dataset(ds, max_length, overflow=overflow)
+            return
+        rows = pack_dataset(ds, max_length, overflow=overflow).to_list()
+        assert all(len(row["input_ids"]) <= max_length for row in rows)
+        expected = documents_expected(input_ids, labels if with_labels else input_ids, max_length, overflow)
+        assert documents_out(rows) == expected
+
+
+class TestValidation:
+    @pytest.mark.parametrize(
+        "columns, kwargs, error, match",
+        [
+            ({"text": ["a"]}, {}, PackingValueError, r"no 'input_ids' column \(columns: \['text'\]\)"),
+            ({"input_ids": [[1], [1, 2]], "labels": [[1], [1]]}, {}, PackingValueError,
+             r"'labels' has 1 values in row 1, but 'input_ids' has 2"),
+            ({"input_ids": [[1.5]]}, {}, PackingTypeError, r"'input_ids' must hold lists of integers"),
+            ({"input_ids": [[-100, 1]]}, {}, PackingValueError, r"'input_ids' must hold values in \[0, .*-100"),
+            ({"input_ids": [[1], None]}, {}, PackingValueError, r"'input_ids' is null in row 1"),
+            (SMALL, {"max_length": 0}, PackingValueError, r"`max_length` must be a positive integer.*0"),
+            (SMALL, {"overflow": "wrap"}, PackingValueError, r"`overflow` must be one of .*'wrap'"),
+            (SMALL, {"strategy": "nope"}, ValueError, r"nope"),
+        ],
+    )
+    def test_errors(self, columns, kwargs, error, match):
+        kwargs = {"max_length": 4, **kwargs}
+        with pytest.raises(error, match=match):
+            pack_dataset(Dataset.from_dict(columns), **kwargs)
+
+    def test_not_a_dataset(self):
+        with pytest.raises(PackingTypeError, match=r"got dict"):
+            pack_dataset(SMALL, 4)
+
+
+class TestPackedDatasetEpochs:
+    def test_same_templates_new_pairings(self):
+        # 24 documents of lengths 3 and 1 (each unique): every bin of 4 is [3, 1]; which 3 meets which 1 is the seed's.
+        ids = [[100 + i, 200 + i, 300 + i] for i in range(12)] + [[i] for i in range(12)]
+        epochs = PackedDatasetEpochs(Dataset.from_dict({"input_ids": ids}), 4, seed=0)
+        first, second = epochs.repack(0), epochs.repack(1)
+        assert sorted(first["seq_lengths"]) == sorted(second["seq_lengths"]) == [[3, 1]] * 12
+        assert sorted(map(tuple, first["input_ids"])) != sorted(map(tuple, second["input_ids"]))
+        assert epochs.stats.num_bins == 12
+        assert documents_out(first.to_list()) == documents_out(second.to_list())
+        assert epochs.repack(0)["input_ids"] == first["input_ids"]
+
+
+class TestStreaming:
+    def test_matches_map_style_contract(self):
+        rng = np.random.default_rng(0)
+        input_ids = [rng.integers(0, 1000, n).tolist() for n in rng.integers(0, 40, 300)]
+        stream = Dataset.from_dict({"input_ids": input_ids}).to_iterable_dataset()
+        rows = list(pack_dataset(stream, 32, overflow="split", buffer_size=50))
+        assert all(len(row["input_ids"]) <= 32 for row in rows)
+        assert documents_out(rows) == documents_expected(input_ids, input_ids, 32, "split")
+
+    def test_efficiency_against_global_packing(self, caplog):
+        # Lognormal lengths as in the engine benchmark, scaled down: 4,000 sequences, rows of 1,024 tokens.
+        lengths = np.clip(np.random.default_rng(0).lognormal(5.0, 1.0, 4000).astype(int), 1, 1024)
+        ds = Dataset.from_dict({"input_ids": [[1] * n for n in lengths]})
+        _, stats = pack_dataset(ds, 1024, return_stats=True)
+        streamed = list(pack_dataset(ds.to_iterable_dataset(), 1024, buffer_size=500))
+        streaming_efficiency = sum(map(len, (r["input_ids"] for r in streamed))) / (len(streamed) * 1024)
+        print(f"global bfd {stats.efficiency:.4f}, streaming (buffer 500) {streaming_efficiency:.4f}")
+        assert streaming_efficiency <= stats.efficiency
+        assert streaming_efficiency > stats.efficiency - 0.02
+
+    def test_errors(self):
+        stream = Dataset.from_dict({"input_ids": [[1, 2, 3]]}).to_iterable_dataset()
+        with pytest.raises(SequenceTooLongError, match=r"row 0"):
+            list(pack_dataset(stream, 2))
+        with pytest.raises(PackingValueError, match=r"return_stats"):
+            pack_dataset(stream, 2, return_stats=True)
+        with pytest.raises(PackingValueError, match=r"`buffer_size` must be an integer >= 2"):
+            pack_dataset(stream, 2, buffer_size=1)
