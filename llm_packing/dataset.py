@@ -47,6 +47,9 @@ def pack_dataset(
     Every split is packed at once (one `pack_sequences` call over all its documents, not per `map` batch). Columns
     other than `input_ids`, `labels`, `completion_mask` and `assistant_masks` are dropped: a packed row has no single
     value for a per-example column. Rows come out in the engine's bin order; the Trainer's sampler shuffles them.
+    Collate them with [`~llm_packing.collator.DataCollatorWithPacking`] (after `configure_packing(model)`) or TRL's
+    `padding_free=True` collator; TRL's default padding collator ignores `seq_lengths` and lets documents attend to
+    each other.
 
     Args:
         dataset ([`~datasets.Dataset`], [`~datasets.DatasetDict`], [`~datasets.IterableDataset`] or [`~datasets.IterableDatasetDict`]):

@@ -1,0 +1,99 @@
+"""End to end with TRL: SFTTrainer on `pack_dataset` output gives the first-step loss of the same documents unpacked."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+from llm_packing.collator import DataCollatorWithPacking
+from llm_packing.dataset import pack_dataset
+from llm_packing.patch import configure_packing, unconfigure_packing
+
+
+pytestmark = pytest.mark.slow
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+LENGTHS = [5, 9, 14, 3, 21, 7, 11, 2, 17, 6]  # 95 tokens; rows of 32 hold several documents each
+MAX_LENGTH = 32
+
+
+class LossRecordingSFTTrainer(SFTTrainer):
+    """Keeps the loss of every training step (the logged one is rounded)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.losses.append((loss[0] if return_outputs else loss).item())
+        return loss
+
+
+def documents() -> Dataset:
+    rng = np.random.default_rng(0)
+    input_ids = [rng.integers(3, 128, n).tolist() for n in LENGTHS]
+    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(LENGTHS, input_ids)]
+    return Dataset.from_dict({"input_ids": input_ids, "labels": labels})
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                   pad_token="t0", eos_token="t2")
+
+
+def train(tmp_path, attn_implementation, dataset, batch_size, data_collator=None, **config):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation=attn_implementation)
+    if isinstance(data_collator, DataCollatorWithPacking):
+        configure_packing(model)
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=batch_size, max_steps=3, learning_rate=1e-3,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=False, activation_checkpointing=False, seed=0,
+        dataset_kwargs={"skip_prepare_dataset": True}, **config,
+    )
+    trainer = LossRecordingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer(),
+                                      data_collator=data_collator)
+    trainer.losses = []
+    try:
+        trainer.train()
+    finally:
+        unconfigure_packing()
+    assert len(trainer.losses) == 3 and all(math.isfinite(loss) for loss in trainer.losses)
+    return trainer.losses
+
+
+def unpacked_first_loss(tmp_path, attn_implementation):
+    # One document per row, padded, TRL's own collator: the reference every packed path must match.
+    return train(tmp_path, attn_implementation, documents(), len(LENGTHS), packing=False, max_length=None)[0]
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_with_our_collator_matches_unpacked(tmp_path, attn_implementation):
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    assert max(map(len, packed["seq_lengths"])) > 1  # several documents share a row
+    losses = train(
+        tmp_path, attn_implementation, packed, len(packed), DataCollatorWithPacking(pad_token_id=0),
+        packing=False, padding_free=False, remove_unused_columns=False,
+    )
+    assert losses[0] == pytest.approx(unpacked_first_loss(tmp_path, attn_implementation), abs=1e-5)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_with_trl_padding_free_collator_matches_unpacked(tmp_path, attn_implementation):
+    # TRL's padding-free collator reads our `seq_lengths`, flattens the batch and relies on transformers' own
+    # position-id detection (SFTTrainer passes use_cache=False), without the hook.
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    losses = train(tmp_path, attn_implementation, packed, len(packed), padding_free=True, max_length=None)
+    assert losses[0] == pytest.approx(unpacked_first_loss(tmp_path, attn_implementation), abs=1e-5)
+
+
+def test_trl_default_collator_on_packed_rows_is_contaminated(tmp_path):
+    # Negative control, and the reason to use one of the collators above: TRL's padding collator ignores
+    # `seq_lengths` and gives every row an all-ones mask, so packed documents attend to each other.
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    losses = train(tmp_path, "sdpa", packed, len(packed), packing=False, padding_free=False, max_length=None)
+    assert abs(losses[0] - unpacked_first_loss(tmp_path, "sdpa")) > 1e-3
