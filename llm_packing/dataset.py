@@ -213,7 +213,7 @@ class _Documents:
         # An explicit fingerprint: datasets would otherwise hash every packed token to make one.
         packed = datasets.Dataset(datasets.table.InMemoryTable(table), info=info, split=split, fingerprint=fingerprint)
         stats = dataclasses.replace(result.stats, **self.pieces.counts())
-        logger.info("pack_dataset%s: %s", f" ({split})" if split else "", stats)
+        logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
         return packed, stats
 
     def _build(self, order: np.ndarray, bin_offsets: np.ndarray) -> pa.Table:
@@ -222,15 +222,22 @@ class _Documents:
         doc_start = np.concatenate([[0], np.cumsum(lengths)])
         num_tokens = int(doc_start[-1])
         columns = {name: np.empty(num_tokens, dtype=np.int32) for name in _TOKEN_COLUMNS}
-        boundaries = np.searchsorted(doc_start, np.arange(0, num_tokens, _GATHER_CHUNK))
+        chunks = np.searchsorted(doc_start, [*range(0, num_tokens, _GATHER_CHUNK), num_tokens])
+        # One gather buffer for every chunk: fresh ~128 MiB arrays per chunk would cost as much in page faults.
+        gather = np.empty(int(np.diff(doc_start[chunks]).max(initial=0)), dtype=np.int64)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
-            for first, last in zip(boundaries, [*boundaries[1:], len(lengths)]):
+            for first, last in zip(chunks[:-1], chunks[1:]):
                 tokens = slice(doc_start[first], doc_start[last])
-                gather = segment_aranges(sources[first:last], lengths[first:last])
-                columns["input_ids"][tokens] = self.input_ids[gather]
-                columns["labels"][tokens] = self.labels[gather]
-                columns["position_ids"][tokens] = segment_aranges(np.zeros(last - first, np.int64), lengths[first:last])
-                progress.update(tokens.stop - tokens.start)
+                size = tokens.stop - tokens.start
+                segment_aranges(sources[first:last], lengths[first:last], out=gather[:size])
+                np.take(self.input_ids, gather[:size], out=columns["input_ids"][tokens])
+                # Without a labels or mask column the labels are the tokens: a copy is cheaper than a second gather.
+                if self.labels is None:
+                    columns["labels"][tokens] = columns["input_ids"][tokens]
+                else:
+                    np.take(self.labels, gather[:size], out=columns["labels"][tokens])
+                segment_aranges(np.zeros(1, np.int32), lengths[first:last], out=columns["position_ids"][tokens])
+                progress.update(size)
         columns["labels"][doc_start[:-1]] = IGNORE_INDEX
         row_offsets = doc_start[bin_offsets]
         arrays = {name: _list_array(row_offsets, values) for name, values in columns.items()}
@@ -238,25 +245,30 @@ class _Documents:
         return pa.table(arrays)
 
 
-def segment_aranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """
     `concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop; `lengths` must be > 0.
+    `starts` of size 1 starts every segment there. Written into `out` when given (its dtype must hold the values).
 
     Example:
     ```python
     >>> import numpy as np
     >>> segment_aranges(np.array([5, 0]), np.array([2, 3])).tolist()
     [5, 6, 0, 1, 2]
+    >>> segment_aranges(np.zeros(1, np.int32), np.array([2, 3])).tolist()
+    [0, 1, 0, 1, 2]
 
     ```
     """
-    steps = np.ones(int(lengths.sum()), dtype=np.int64)
+    steps = np.empty(int(lengths.sum()), dtype=np.int64) if out is None else out
     if len(steps) == 0:
         return steps
+    steps.fill(1)
     ends = np.cumsum(lengths)[:-1]
+    starts = np.broadcast_to(starts, lengths.shape)
     steps[0] = starts[0]
     steps[ends] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return np.cumsum(steps)
+    return np.cumsum(steps, out=steps)
 
 
 def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -292,10 +304,14 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
     return column_lengths, values.astype(np.int32, copy=False)
 
 
-def _labels(table: pa.Table, lengths: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
-    labels = _flat_column(table, "labels", lengths)[1].copy() if "labels" in table.column_names else input_ids.copy()
+def _labels(table: pa.Table, lengths: np.ndarray, input_ids: np.ndarray) -> np.ndarray | None:
+    """The flat labels, or `None` when they are the `input_ids` (no labels or mask column)."""
+    names = [name for name in ("labels", *MASK_COLUMNS) if name in table.column_names]
+    if not names:
+        return None
+    labels = _flat_column(table, "labels", lengths)[1].copy() if "labels" in names else input_ids.copy()
     for name in MASK_COLUMNS:
-        if name in table.column_names:
+        if name in names:
             labels[_flat_column(table, name, lengths)[1] == 0] = IGNORE_INDEX
     return labels
 

@@ -7,6 +7,7 @@ buffer. The trade-off: a document only meets partners within its buffer, so rows
 global packing of a map-style dataset (measured in tests/test_dataset.py), and the rows' order follows the stream.
 """
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ from .binpack import pack_sequences, seed_from_components
 from .dataset import IGNORE_INDEX, MASK_COLUMNS
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from .stats import PackingStats
 
 
 logger = logging.getLogger(__name__)
@@ -25,8 +27,6 @@ _MIN_FILL = 0.99  # a bin this full is emitted rather than offered more partners
 _FEATURES = datasets.Features(
     {name: datasets.List(datasets.Value("int32")) for name in ("input_ids", "labels", "position_ids", "seq_lengths")}
 )
-_COUNTS = ("empty_sequences", "dropped_sequences", "dropped_tokens", "truncated_sequences", "truncated_tokens",
-           "split_sequences")
 
 
 def pack_iterable_dataset(
@@ -81,26 +81,22 @@ def pack_iterable_dataset(
 def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
     max_length, buffer_size, overflow = options["max_length"], options["buffer_size"], options["overflow"]
     buffer: list[tuple[np.ndarray, np.ndarray]] = []
-    counts = dict.fromkeys(_COUNTS, 0)
+    counts: dict[str, int] = {}
     bin_tokens: list[int] = []
-    rounds = 0
+    rounds = num_pieces = 0
     for row, example in enumerate(dataset):
         input_ids, labels = _document(example, row)
         pieces = cut_pieces(np.array([len(input_ids)]), max_length, overflow, first_row=row)
         for name, value in pieces.counts().items():
-            counts[name] += value
+            counts[name] = counts.get(name, 0) + value
+        num_pieces += len(pieces.length)
         buffer.extend((input_ids[s : s + n], labels[s : s + n]) for s, n in zip(pieces.start, pieces.length))
         if len(buffer) >= buffer_size:
             buffer = yield from _emit(buffer, options, rounds, bin_tokens, final=False)
             rounds += 1
     yield from _emit(buffer, options, rounds, bin_tokens, final=True)
-    tokens = sum(bin_tokens)
-    efficiency = tokens / (len(bin_tokens) * max_length) if bin_tokens else 1.0
-    logger.info(
-        "pack_dataset (streaming, buffer_size=%d): %d rows, %d tokens, efficiency %.4f (lower bound %d rows); %s",
-        buffer_size, len(bin_tokens), tokens, efficiency, -(-tokens // max_length),
-        ", ".join(f"{name}={value}" for name, value in counts.items()),
-    )
+    stats = PackingStats.from_bin_token_counts(bin_tokens, num_sequences=num_pieces, capacity=max_length)
+    logger.info("pack_dataset (streaming, buffer_size=%d):\n%s", buffer_size, dataclasses.replace(stats, **counts))
 
 
 def _emit(buffer, options, round_index, bin_tokens, *, final):

@@ -88,7 +88,7 @@ class TestPackDataset:
     def test_stats_are_logged(self, caplog):
         with caplog.at_level(logging.INFO, logger="llm_packing"):
             pack_dataset(Dataset.from_dict(SMALL), 4)
-        assert any(r.name.startswith("llm_packing") and "num_bins=2" in r.getMessage() for r in caplog.records)
+        assert any(r.name.startswith("llm_packing") and "6 tokens -> 2 bins" in r.getMessage() for r in caplog.records)
 
     def test_row_offsets_past_int32_use_large_lists(self, monkeypatch):
         monkeypatch.setattr(dataset_module, "_MAX_LIST_OFFSET", 4)
