@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llm_packing import patch
 from llm_packing.collator import DataCollatorWithPacking
@@ -119,6 +121,26 @@ class TestRawExamples:
             "position_ids": [[0, 1, 2], [0, 0, 0]],
             "attention_mask": [[1, 1, 1], [1, 0, 0]],
         })
+
+
+    @settings(max_examples=40, deadline=None)
+    @given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=20), max_length=st.integers(9, 16))
+    def test_every_document_once_and_isolated(self, lengths, max_length):
+        if not any(lengths):
+            return
+        examples = [{"input_ids": list(range(100 * i, 100 * i + n))} for i, n in enumerate(lengths)]
+        batch = DataCollatorWithPacking(max_length=max_length, check_model_configured=False)(examples)
+        assert batch["input_ids"].shape[1] <= max_length
+        found = []
+        for ids, labels, positions, mask in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "position_ids",
+                                                                                "attention_mask"))):
+            for doc in range(1, max(mask) + 1):
+                tokens = [t for t, m in enumerate(mask) if m == doc]
+                assert tokens == list(range(tokens[0], tokens[-1] + 1))  # contiguous, in order
+                assert [positions[t] for t in tokens] == list(range(len(tokens)))
+                assert [labels[t] for t in tokens] == [-100] + [ids[t] for t in tokens[1:]]
+                found.append([ids[t] for t in tokens])
+        assert sorted(found) == sorted(example["input_ids"] for example in examples if example["input_ids"])
 
 
 class TestMismatches:
