@@ -93,7 +93,7 @@ def pack_dataset(
     """
     check_max_length(max_length)
     check_overflow_policy(overflow)
-    options = dict(strategy=strategy, seed=seed, overflow=overflow, max_docs_per_bin=max_docs_per_bin)
+    options = dict(strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         if return_stats:
             raise PackingValueError(
@@ -104,12 +104,12 @@ def pack_dataset(
 
         if isinstance(dataset, datasets.IterableDatasetDict):
             return datasets.IterableDatasetDict(
-                {split: pack_iterable_dataset(ds, max_length, buffer_size=buffer_size, **options)
+                {split: pack_iterable_dataset(ds, max_length, overflow=overflow, buffer_size=buffer_size, **options)
                  for split, ds in dataset.items()}
             )
-        return pack_iterable_dataset(dataset, max_length, buffer_size=buffer_size, **options)
+        return pack_iterable_dataset(dataset, max_length, overflow=overflow, buffer_size=buffer_size, **options)
     if isinstance(dataset, datasets.DatasetDict):
-        packed = {split: _pack_split(ds, max_length, options, split) for split, ds in dataset.items()}
+        packed = {split: _Documents(ds, max_length, overflow).pack(**options) for split, ds in dataset.items()}
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
         return (result, {split: stats for split, (_, stats) in packed.items()}) if return_stats else result
     if not isinstance(dataset, datasets.Dataset):
@@ -117,7 +117,7 @@ def pack_dataset(
             f"`dataset` must be a datasets Dataset, DatasetDict, IterableDataset or IterableDatasetDict, got "
             f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
         )
-    packed, stats = _pack_split(dataset, max_length, options, dataset.split)
+    packed, stats = _Documents(dataset, max_length, overflow).pack(**options)
     return (packed, stats) if return_stats else packed
 
 
@@ -168,23 +168,12 @@ class PackedDatasetEpochs:
         self._documents = _Documents(dataset, max_length, overflow)
         self._options = dict(strategy=strategy, max_docs_per_bin=max_docs_per_bin)
         self._seed = seed
-        self._source = (dataset._fingerprint, dataset.split)
         self.stats = None  # PackingStats of the last `repack`
 
     def repack(self, epoch: int) -> datasets.Dataset:
         """The packed dataset for `epoch`; its stats are in `self.stats` afterwards."""
-        seed = seed_from_components(self._seed, epoch)
-        fingerprint = Hasher.hash((self._source[0], self._documents.key, self._options, seed))
-        packed, self.stats = self._documents.pack(seed=seed, fingerprint=fingerprint, split=self._source[1],
-                                                  **self._options)
+        packed, self.stats = self._documents.pack(seed=seed_from_components(self._seed, epoch), **self._options)
         return packed
-
-
-def _pack_split(dataset, max_length, options, split):
-    documents = _Documents(dataset, max_length, options["overflow"])
-    fingerprint = Hasher.hash((dataset._fingerprint, documents.key, options))
-    return documents.pack(strategy=options["strategy"], seed=options["seed"],
-                          max_docs_per_bin=options["max_docs_per_bin"], fingerprint=fingerprint, split=split)
 
 
 class _Documents:
@@ -204,14 +193,19 @@ class _Documents:
         self.flat_start = row_start[self.pieces.source] + self.pieces.start
         self.max_length = max_length
         self.key = (max_length, overflow)
+        self.format_type = dataset.format["type"]  # e.g. "torch": the packed dataset is formatted the same way
+        self.source = (dataset._fingerprint, dataset.split)
 
-    def pack(self, *, strategy, seed, max_docs_per_bin, fingerprint, split):
+    def pack(self, *, strategy, seed, max_docs_per_bin):
         result = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
                                 max_docs_per_bin=max_docs_per_bin)
         table = self._build(result.order, result.bin_offsets)
         info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(table.schema))
         # An explicit fingerprint: datasets would otherwise hash every packed token to make one.
+        fingerprint = Hasher.hash((self.source, self.key, strategy, seed, max_docs_per_bin))
+        split = self.source[1]
         packed = datasets.Dataset(datasets.table.InMemoryTable(table), info=info, split=split, fingerprint=fingerprint)
+        packed = packed.with_format(self.format_type)
         stats = dataclasses.replace(result.stats, **self.pieces.counts())
         logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
         return packed, stats

@@ -79,6 +79,10 @@ class TestPackDataset:
         packed = pack_dataset(Dataset.from_dict(SMALL).select([2, 0]), 4)
         assert packed["input_ids"] == [[1, 2, 3, 6]]
 
+    def test_format_is_kept(self):
+        packed = pack_dataset(Dataset.from_dict(SMALL).with_format("numpy"), 4)
+        assert packed.format["type"] == "numpy" and packed[1]["input_ids"].tolist() == [4, 5]
+
     def test_dataset_dict_packs_each_split(self):
         splits = DatasetDict({"train": Dataset.from_dict(SMALL), "test": Dataset.from_dict({"input_ids": [[7, 8]]})})
         packed, stats = pack_dataset(splits, 4, return_stats=True)
