@@ -71,6 +71,8 @@ def pack_iterable_dataset(
     check_overflow_policy(overflow)
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
         raise PackingValueError(f"`buffer_size` must be an integer >= 2 (sequences per buffer), got {buffer_size!r}.")
+    # Packing nothing checks `strategy` and `max_docs_per_bin` now rather than once the stream is iterated.
+    pack_sequences(np.zeros(0, np.int64), max_length, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     options = dict(max_length=max_length, buffer_size=buffer_size, strategy=strategy, seed=seed, overflow=overflow,
                    max_docs_per_bin=max_docs_per_bin)
     return datasets.IterableDataset.from_generator(

@@ -211,8 +211,14 @@ class TestStreaming:
         assert streaming_efficiency <= stats.efficiency
         assert streaming_efficiency > stats.efficiency - 0.02
 
+    def test_iterable_dataset_dict_packs_each_split(self):
+        splits = datasets.IterableDatasetDict({"train": Dataset.from_dict(SMALL).to_iterable_dataset()})
+        assert [row["input_ids"] for row in pack_dataset(splits, 4)["train"]] == [[1, 2, 3, 6], [4, 5]]
+
     def test_errors(self):
         stream = Dataset.from_dict({"input_ids": [[1, 2, 3]]}).to_iterable_dataset()
+        with pytest.raises(PackingValueError, match=r"strategy"):
+            pack_dataset(stream, 2, strategy="nope")
         with pytest.raises(SequenceTooLongError, match=r"row 0"):
             list(pack_dataset(stream, 2))
         with pytest.raises(PackingValueError, match=r"return_stats"):
