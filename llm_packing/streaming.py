@@ -103,6 +103,8 @@ def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
 
 def _emit(buffer, options, round_index, bin_tokens, *, final):
     """Pack `buffer`, yield the full-enough rows (all of them if `final`), return the documents carried over."""
+    if not buffer:
+        return []
     lengths = np.array([len(ids) for ids, _ in buffer], dtype=np.int64)
     seed = None if options["seed"] is None else seed_from_components(options["seed"], round_index)
     result = pack_sequences(lengths, options["max_length"], strategy=options["strategy"], seed=seed,

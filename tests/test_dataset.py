@@ -211,6 +211,14 @@ class TestStreaming:
         assert streaming_efficiency <= stats.efficiency
         assert streaming_efficiency > stats.efficiency - 0.02
 
+    @pytest.mark.parametrize("input_ids", [[], [[1, 2], [3, 4]]])
+    def test_nothing_left_for_the_last_round(self, input_ids):
+        def examples():
+            yield from ({"input_ids": ids} for ids in input_ids)
+
+        stream = datasets.IterableDataset.from_generator(examples)
+        assert [row["input_ids"] for row in pack_dataset(stream, 2, buffer_size=2)] == input_ids
+
     def test_iterable_dataset_dict_packs_each_split(self):
         splits = datasets.IterableDatasetDict({"train": Dataset.from_dict(SMALL).to_iterable_dataset()})
         assert [row["input_ids"] for row in pack_dataset(splits, 4)["train"]] == [[1, 2, 3, 6], [4, 5]]
