@@ -270,7 +270,8 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
     column = table.column(name)
     value_type = getattr(column.type, "value_type", None)
     is_mask = name in MASK_COLUMNS
-    if value_type is None or not (pa.types.is_integer(value_type) or (is_mask and pa.types.is_boolean(value_type))):
+    allowed = (pa.types.is_integer, pa.types.is_null, *((pa.types.is_boolean,) if is_mask else ()))  # null: all empty
+    if value_type is None or not any(is_type(value_type) for is_type in allowed):
         raise PackingTypeError(
             f"Column {name!r} must hold lists of integers, got Arrow type {column.type}. Tokenize the text and cast "
             "the ids to integers first."
@@ -285,7 +286,12 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
             f"Column {name!r} has {column_lengths[row]} values in row {row}, but 'input_ids' has {lengths[row]}. "
             f"Every token needs exactly one {name!r} entry; fix that row's preprocessing."
         )
-    values = pc.list_flatten(column).combine_chunks().to_numpy(zero_copy_only=False)
+    values = pc.list_flatten(column).combine_chunks()
+    if values.null_count:
+        raise PackingValueError(
+            f"Column {name!r} holds {values.null_count} null values inside its lists. Every token needs an integer."
+        )
+    values = values.to_numpy(zero_copy_only=False)
     if is_mask:
         return column_lengths, values
     low = 0 if name == "input_ids" else IGNORE_INDEX

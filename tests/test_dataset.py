@@ -75,6 +75,13 @@ class TestPackDataset:
         assert len(row["seq_lengths"]) == 40_000
         assert (row["position_ids"] == 0).all() and (row["labels"] == -100).all()
 
+    def test_nothing_left(self):
+        packed, stats = pack_dataset(Dataset.from_dict({"input_ids": [[], [1, 2, 3]]}), 2, overflow="drop",
+                                     return_stats=True)
+        assert (len(packed), stats.empty_sequences, stats.dropped_sequences) == (0, 1, 1)
+        assert packed.features == datasets.Features(INT32_LISTS)
+        assert len(pack_dataset(Dataset.from_dict({"input_ids": [[], []]}), 2)) == 0
+
     def test_selected_rows_only(self):
         packed = pack_dataset(Dataset.from_dict(SMALL).select([2, 0]), 4)
         assert packed["input_ids"] == [[1, 2, 3, 6]]
@@ -163,6 +170,7 @@ class TestValidation:
             ({"input_ids": [[1.5]]}, {}, PackingTypeError, r"'input_ids' must hold lists of integers"),
             ({"input_ids": [[-100, 1]]}, {}, PackingValueError, r"'input_ids' must hold values in \[0, .*-100"),
             ({"input_ids": [[1], None]}, {}, PackingValueError, r"'input_ids' is null in row 1"),
+            ({"input_ids": [[1, None]]}, {}, PackingValueError, r"'input_ids' holds 1 null values"),
             (SMALL, {"max_length": 0}, PackingValueError, r"`max_length` must be a positive integer.*0"),
             (SMALL, {"overflow": "wrap"}, PackingValueError, r"`overflow` must be one of .*'wrap'"),
             (SMALL, {"strategy": "nope"}, ValueError, r"nope"),
