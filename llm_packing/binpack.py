@@ -43,6 +43,7 @@ def seed_from_components(*components: int) -> int:
     4644567203592954840
     >>> seed_from_components(42, 1) != seed_from_components(42, 0)
     True
+
     ```
     """
     for component in components:
@@ -162,6 +163,7 @@ def pack_sequences(
     ([6, 6, 3], 0.8333333333333334)
     >>> pack_sequences([3, 5, 2, 4, 1], capacity=6, strategy="nf").bins
     [[0], [1], [2, 3], [4]]
+
     ```
     """
     lengths = _check_lengths(lengths)

@@ -70,6 +70,7 @@ class PackingStats:
         (3, 15, 0.8333333333333334, 3, 0.0)
         >>> stats.fullness_p50, stats.fullness_p90
         (1.0, 1.0)
+
         ```
         """
         counts = np.asarray(bin_token_counts, dtype=np.int64)
