@@ -1,0 +1,403 @@
+"""Which causal LM architectures the packing hook isolates exactly, and why the others are refused.
+
+The candidates come from the installed transformers: every model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose
+modeling module builds its attention mask through `create_causal_mask`, `create_sliding_window_causal_mask` or
+`create_chunked_causal_mask` (the builders the hook replaces), found by reading the source text, not importing it.
+A candidate is supported only if it is also in `VERIFIED_MODEL_TYPES`, the architectures the parity matrix
+(`tests/test_parity.py`) proved exact: packed logits equal separate-document logits within 1e-5 in float32. Anything
+else is refused with the reason in `REFUSED_MODEL_TYPES` (fail closed: a new architecture in a newer transformers is
+refused until the matrix covers it).
+
+Regenerate the support table with `python -m llm_packing.architectures --markdown > docs/support_matrix.md`.
+"""
+
+import functools
+import importlib.util
+import os
+import re
+
+from .errors import UnsupportedSetupError
+
+
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+# Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
+# conv, recurrent, ...) keeps a state across the whole row and would leak one document into the next.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# Backends the parity matrix runs on CPU; FlashAttention (2/3) goes through tests/test_flash_path.py's reference kernel.
+MATRIX_BACKENDS = ("eager", "sdpa", "flex_attention")
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+# The model-class flag with which transformers declares a backend (building a model without it raises ValueError).
+_BACKEND_FLAGS = {
+    "eager": None,
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
+
+# Proven exact by tests/test_parity.py on eager, sdpa and flex_attention (CPU, float32, tolerance 1e-5) and on the
+# FlashAttention code path by tests/test_flash_path.py's reference kernel. Edit only together with a passing matrix.
+VERIFIED_MODEL_TYPES = frozenset(
+    {
+        "afmoe",
+        "apertus",
+        "arcee",
+        "aria_text",
+        "beam",
+        "biogpt",
+        "bitnet",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "ctrl",
+        "cwm",
+        "deepseek_v4",
+        "diffllama",
+        "doge",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone4",
+        "exaone_moe",
+        "falcon",
+        "flex_olmo",
+        "flint",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "gemma4_unified_text",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_neox",
+        "gpt_neox_japanese",
+        "gpt_oss",
+        "granite",
+        "granite_swa",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoeshared",
+        "helium",
+        "hrm_text",
+        "hy_v3",
+        "hy_v4",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "jetmoe",
+        "kolibri1",
+        "laguna",
+        "llama",
+        "llama4_text",
+        "mellum",
+        "mimo_v2_flash",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral3",
+        "mistral",
+        "mixtral",
+        "modernbert-decoder",
+        "moshi",
+        "mpt",
+        "nanochat",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "olmoe",
+        "opt",
+        "persimmon",
+        "phi",
+        "phi3",
+        "phimoe",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "seed_oss",
+        "smollm3",
+        "solar_open",
+        "stablelm",
+        "starcoder2",
+        "vaultgemma",
+        "whisper",
+        "xglm",
+    }
+)
+
+# Candidates that the matrix cannot prove, by hand, with the reason. Types outside the candidate set get their reason
+# from the source scan (see `refusal_reason`).
+_REFUSED_CANDIDATES: dict[str, str] = {
+    "axk1": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "axk2": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "bart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
+    "bert": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
+    "bert-generation": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
+    "big_bird": "fails the parity matrix: packed logits differ from separate documents by 1.1e-02 (eager)",
+    "bigbird_pegasus": "fails the parity matrix: packed logits differ from separate documents by 1.2e-01 (eager)",
+    "blenderbot": "fails the parity matrix: packed logits differ from separate documents by 7.3e-01 (eager, sdpa)",
+    "blenderbot-small": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
+    "bloom": "fails the parity matrix: packed logits differ from separate documents by 1.0e-02 (eager)",
+    "camembert": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "codegen": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "cohere_compass_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "data2vec-text": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "dbrx": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "deepseek_v2": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "deepseek_v3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "deepseek_v32": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "dots1": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "dots3_note_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "emu3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
+    "gemma3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gemma3n": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gemma3n_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gemma4": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gemma4_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gemma4_unified": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "git": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "glm4_moe_lite": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "glm_moe_dsa": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gpt_neo": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "gptj": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "hunyuan_v1_dense": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "hunyuan_v1_moe": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "llama4": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "longcat_flash": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "marian": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
+    "mbart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
+    "megatron-bert": "fails the parity matrix: packed logits differ from separate documents by 3.2e-01 (eager)",
+    "minicpm3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "ministral": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "mllama": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "musicgen": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "musicgen_melody": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "mvp": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager)",
+    "nemotron": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "pegasus": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
+    "phi4_multimodal": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "plbart": "fails the parity matrix: packed logits differ from separate documents by 9.9e-02 (eager, sdpa)",
+    "rembert": "fails the parity matrix: packed logits differ from separate documents by 9.3e-02 (eager)",
+    "roberta": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "roberta-prelayernorm": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "roc_bert": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "roformer": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager)",
+    "trocr": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager)",
+    "xlm-roberta": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "xlm-roberta-xl": "fails the parity matrix: packed logits differ from separate documents by 1.8e-01 (eager, sdpa)",
+    "xmod": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "youtu": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+}
+
+# Source text that marks layers with a state across the row: the recurrent-mask builder, or a non-attention layer kind.
+_HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"mamba"', '"recurrent"')
+
+
+@functools.cache
+def _transformers_models_dir() -> str:
+    spec = importlib.util.find_spec("transformers.models")
+    return os.path.dirname(spec.origin)
+
+
+@functools.cache
+def _causal_lm_classes() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {model_type: name for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(name, str)}
+
+
+@functools.cache
+def _modeling_source(model_type: str) -> str | None:
+    """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    class_name = _causal_lm_classes().get(model_type)
+    if class_name is None:
+        return None
+    definition = re.compile(rf"^class {re.escape(class_name)}\(", re.MULTILINE)
+    models_dir = _transformers_models_dir()
+    directory = os.path.join(models_dir, model_type_to_module_name(model_type))
+    # A few types reuse another architecture's class (internlm3 -> LlamaForCausalLM): fall back to every directory.
+    for folder in [directory] + sorted(os.path.join(models_dir, name) for name in os.listdir(models_dir)):
+        if not os.path.isdir(folder):
+            continue
+        for file_name in sorted(os.listdir(folder)):
+            if file_name.startswith("modeling_") and file_name.endswith(".py"):
+                with open(os.path.join(folder, file_name), encoding="utf-8") as handle:
+                    source = handle.read()
+                if definition.search(source):
+                    return source
+    return None
+
+
+def _scan_reason(model_type: str) -> str | None:
+    """Why the source scan rules `model_type` out, or None if it is a candidate."""
+    if model_type not in _causal_lm_classes():
+        return "not a causal LM in the installed transformers (no entry in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
+    source = _modeling_source(model_type)
+    if source is None:
+        return f"the modeling module of {_causal_lm_classes()[model_type]} was not found"
+    if any(marker in source for marker in _HYBRID_MARKERS):
+        return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
+    if not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
+        return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
+    return None
+
+
+@functools.cache
+def candidate_model_types() -> tuple[str, ...]:
+    """Causal LM types of the installed transformers whose masks go through the builders the hook replaces."""
+    return tuple(sorted(t for t in _causal_lm_classes() if _scan_reason(t) is None))
+
+
+@functools.cache
+def supported_model_types() -> tuple[str, ...]:
+    """
+    The model types whose packed batches the hook isolates exactly: candidates of the installed transformers that
+    the parity matrix proved.
+
+    Example:
+    ```python
+    >>> from llm_packing.architectures import supported_model_types
+    >>> "llama" in supported_model_types(), "mamba" in supported_model_types()
+    (True, False)
+
+    ```
+    """
+    return tuple(sorted(t for t in VERIFIED_MODEL_TYPES if _scan_reason(t) is None))
+
+
+def refusal_reason(model_type: str) -> str | None:
+    """Why `model_type` is refused, or None if it is supported."""
+    if model_type in _REFUSED_CANDIDATES:
+        return _REFUSED_CANDIDATES[model_type]
+    reason = _scan_reason(model_type)
+    if reason is None and model_type not in VERIFIED_MODEL_TYPES:
+        reason = "not verified by llm_packing's parity matrix for this transformers version"
+    return reason
+
+
+@functools.cache
+def _refused_model_types() -> dict[str, str]:
+    refused = {t: reason for t in _causal_lm_classes() if (reason := refusal_reason(t)) is not None}
+    refused.update(_REFUSED_CANDIDATES)
+    return dict(sorted(refused.items()))
+
+
+def __getattr__(name: str):
+    # `REFUSED_MODEL_TYPES` is computed on first use, so importing this module reads no transformers source.
+    if name == "REFUSED_MODEL_TYPES":
+        return _refused_model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def non_attention_layer_types(config) -> list[str]:
+    """
+    The entries of `config.layer_types` (and of a nested `text_config`) that are not attention layers: each one keeps
+    a state across the whole packed row.
+
+    Example:
+    ```python
+    >>> from types import SimpleNamespace
+    >>> from llm_packing.architectures import non_attention_layer_types
+    >>> non_attention_layer_types(SimpleNamespace(layer_types=["linear_attention", "full_attention", "conv"]))
+    ['conv', 'linear_attention']
+
+    ```
+    """
+    kinds = set()
+    for part in (config, getattr(config, "text_config", None)):
+        kinds.update(getattr(part, "layer_types", None) or ())
+    return sorted(kinds - ATTENTION_LAYER_TYPES)
+
+
+def require_supported(config) -> None:
+    """
+    Raise [`UnsupportedSetupError`] unless packed batches of this architecture are isolated exactly.
+
+    Args:
+        config ([`~transformers.PretrainedConfig`]):
+            The model's config; its `model_type` and `layer_types` are checked.
+
+    Raises:
+        `UnsupportedSetupError`: the model type is not in [`supported_model_types`], or its `layer_types` holds
+            non-attention layers (linear attention, mamba, conv, ...). The message names the type and the reason.
+    """
+    model_type = getattr(config, "model_type", None)
+    reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
+    if reason is None and (stateful := non_attention_layer_types(config)):
+        reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
+    if reason is None:
+        return
+    raise UnsupportedSetupError(
+        f"Packing cannot isolate documents for model_type {model_type!r}: {reason}. Supported model types: "
+        f"{', '.join(supported_model_types())}. Use one of them, or train this model without packing (padding each "
+        "document on its own row)."
+    )
+
+
+def backend_available(model_type: str, backend: str) -> bool:
+    """Whether transformers itself offers `backend` for `model_type`'s causal LM class (imports that class)."""
+    import transformers
+
+    flag = _BACKEND_FLAGS[backend]
+    return flag is None or bool(getattr(getattr(transformers, _causal_lm_classes()[model_type]), flag, False))
+
+
+# Architectures whose FlashAttention path tests/test_flash_path.py runs with its reference kernel.
+FLASH_VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "gemma2"})
+
+
+def _cell(model_type: str, backend: str) -> str:
+    if not backend_available(model_type, backend):
+        return "n/a"
+    if backend in FLASH_BACKENDS and model_type not in FLASH_VERIFIED_MODEL_TYPES:
+        return "cu_seqlens (not run)"
+    return "exact"
+
+
+def support_matrix_markdown() -> str:
+    """The support table of the installed transformers, as committed in docs/support_matrix.md."""
+    import transformers
+
+    backends = MATRIX_BACKENDS + FLASH_BACKENDS
+    lines = [
+        "# Supported architectures",
+        "",
+        "Generated by `python -m llm_packing.architectures --markdown > docs/support_matrix.md` for transformers "
+        f"{transformers.__version__}; `tests/test_architectures.py` keeps it true.",
+        "",
+        "`exact`: packed logits and per-token losses equal separate-document ones within 1e-5 (float32) in "
+        "`tests/test_parity.py` (eager, sdpa, flex_attention on CPU) or, for FlashAttention, in "
+        "`tests/test_flash_path.py` (transformers' FA code path with a reference varlen kernel). `n/a`: transformers "
+        "offers no such backend for the architecture. `cu_seqlens (not run)`: the hook hands FlashAttention "
+        "per-document cu_seqlens as for the verified ones, but this architecture's FA path has not been run.",
+        "",
+        f"## Supported ({len(supported_model_types())})",
+        "",
+        "| model_type | " + " | ".join(backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for model_type in supported_model_types():
+        cells = [_cell(model_type, backend) for backend in backends]
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    refused = _refused_model_types()
+    lines += ["", f"## Refused ({len(refused)})", "", "| model_type | reason |", "|---|---|"]
+    lines += [f"| {model_type} | {reason} |" for model_type, reason in refused.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the architectures llm_packing supports.")
+    parser.add_argument("--markdown", action="store_true", help="print the support table in Markdown")
+    if parser.parse_args().markdown:
+        print(support_matrix_markdown(), end="")
+    else:
+        print("\n".join(supported_model_types()))

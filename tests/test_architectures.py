@@ -1,0 +1,79 @@
+"""The architecture table: derived from the installed transformers, every candidate decided, the doc kept true."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from llm_packing import architectures
+from llm_packing.architectures import (
+    REFUSED_MODEL_TYPES,
+    VERIFIED_MODEL_TYPES,
+    candidate_model_types,
+    require_supported,
+    supported_model_types,
+)
+from llm_packing.errors import UnsupportedSetupError
+
+
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "support_matrix.md")
+REQUIRED = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi",
+    "phi3", "starcoder2", "olmo2", "granite", "cohere", "stablelm", "gpt_neox", "falcon",
+)  # fmt: skip
+
+
+def test_required_architectures_are_supported_and_at_least_forty():
+    assert set(REQUIRED) <= set(supported_model_types())
+    assert len(supported_model_types()) >= 40
+
+
+def test_every_candidate_is_either_verified_or_refused_with_a_reason():
+    for model_type in candidate_model_types():
+        assert (model_type in VERIFIED_MODEL_TYPES) != (model_type in REFUSED_MODEL_TYPES), model_type
+    assert set(supported_model_types()) <= set(candidate_model_types())
+    assert all(reason.strip() for reason in REFUSED_MODEL_TYPES.values())
+
+
+def test_candidates_are_mapped_through_the_modeling_module_that_defines_the_class():
+    # gemma3_text lives in models/gemma3, internlm3 reuses LlamaForCausalLM from models/llama.
+    assert {"gemma3_text", "internlm3", "llama4_text"} <= set(candidate_model_types())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("mamba", "without create_causal_mask"), ("qwen3_next", "hybrid"), ("jamba", "hybrid"), ("recurrent_gemma", "hybrid")],
+)
+def test_hybrid_and_unreachable_architectures_are_refused(model_type, reason):
+    assert reason in REFUSED_MODEL_TYPES[model_type]
+    assert model_type not in supported_model_types()
+
+
+def test_require_supported_accepts_a_supported_type():
+    require_supported(SimpleNamespace(model_type="llama", layer_types=None))
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next", "no_such_model"])
+def test_require_supported_names_the_refused_type(model_type):
+    with pytest.raises(UnsupportedSetupError, match=rf"model_type '{model_type}'.*Supported model types: .*llama"):
+        require_supported(SimpleNamespace(model_type=model_type))
+
+
+def test_require_supported_refuses_non_attention_layers_of_a_supported_type():
+    config = SimpleNamespace(model_type="qwen2", layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(UnsupportedSetupError, match=r"'qwen2'.*\['linear_attention'\]"):
+        require_supported(config)
+
+
+def test_require_supported_looks_into_text_config():
+    config = SimpleNamespace(model_type="llama", text_config=SimpleNamespace(layer_types=["mamba", "full_attention"]))
+    with pytest.raises(UnsupportedSetupError, match="mamba"):
+        require_supported(config)
+
+
+def test_committed_support_matrix_is_what_the_generator_prints():
+    with open(DOC, encoding="utf-8") as handle:
+        committed = handle.read()
+    assert committed == architectures.support_matrix_markdown(), (
+        "docs/support_matrix.md is stale: run `python -m llm_packing.architectures --markdown > docs/support_matrix.md`"
+    )

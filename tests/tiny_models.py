@@ -1,0 +1,130 @@
+"""Tiny random causal LMs built offline from configs, and the packed batch the parity tests feed them.
+
+Every architecture gets the same shrink (hidden 64, 2 layers, 4 heads / 2 kv heads, vocab 128, ...), applied only to
+the fields its config actually has; what an architecture needs beyond that lives in `ARCH_OVERRIDES`, the one table of
+per-architecture exceptions. Sliding windows and attention chunks are shrunk to 4 tokens so that the documents of
+`PACKED_DOCUMENT_LENGTHS` (up to 9 tokens) cross them.
+"""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+WINDOW = 4
+
+# Two rows of 18 tokens: documents of different lengths (length-1 documents included, several longer than WINDOW),
+# two trailing pad tokens in row 0, none in row 1.
+PACKED_DOCUMENT_LENGTHS = ((5, 1, 7, 3), (9, 2, 1, 6))
+PACKED_ROW_LENGTH = 18
+VOCAB_SIZE = 128
+MAX_PARAMETERS = 2_000_000
+
+# Generic shrink: config field -> tiny value, applied when the default config has the field.
+_SHRINK = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model"), 64),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads"), 2),
+    **dict.fromkeys(("intermediate_size", "ffn_hidden_size", "ffn_dim", "decoder_ffn_dim", "n_inner"), 128),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("num_local_experts", "n_routed_experts", "num_experts"), 4),
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "head_dim": 16,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size": VOCAB_SIZE,
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
+    "sliding_window": WINDOW,
+    "attention_chunk_size": WINDOW,
+}
+
+# Per-architecture exceptions: fields whose generic value does not fit, or switches that turn a feature on (sliding
+# windows that are off by default, softcapping) so that the parity matrix exercises it.
+_SLIDING_ON = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1, "layer_types": ["sliding_attention", "full_attention"]}
+ARCH_OVERRIDES: dict[str, dict] = {
+    "qwen2": _SLIDING_ON,
+    "qwen2_moe": _SLIDING_ON,
+    "qwen3": _SLIDING_ON,
+    "qwen3_moe": _SLIDING_ON,
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    "gemma3_text": {"query_pre_attn_scalar": 16},
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """The tiny config of `model_type`: the generic shrink, then `ARCH_OVERRIDES[model_type]`, then `overrides`."""
+    default = AutoConfig.for_model(model_type)
+    fields = default.to_dict()
+    fields.update(getattr(default, "attribute_map", {}))
+    values = {name: value for name, value in _SHRINK.items() if name in fields and fields.get(name) is not None}
+    if "qk_rope_head_dim" in fields:
+        values.pop("head_dim", None)
+    if fields.get("layer_types"):
+        values["layer_types"] = _tiny_layer_types(fields["layer_types"])
+    for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
+            values[token] = 0
+    values.update(ARCH_OVERRIDES.get(model_type, {}))
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _tiny_layer_types(default_layer_types):
+    """Two layers keeping the default's variety: a windowed layer first (if any), then a full-attention one."""
+    kinds = list(dict.fromkeys(default_layer_types))
+    windowed = [kind for kind in kinds if kind != "full_attention"]
+    full = [kind for kind in kinds if kind == "full_attention"]
+    return (windowed[:1] + full[:1] + kinds)[:2] if len(kinds) > 1 else kinds * 2
+
+
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides):
+    """A float32 tiny random causal LM in eval mode, seeded so that every call builds the same weights."""
+    config = tiny_config(model_type, **overrides)
+    config.use_cache = False
+    # A field the generic shrink does not know leaves a full-size model behind: refuse it before allocating.
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def packed_batch(document_lengths=PACKED_DOCUMENT_LENGTHS, row_length=PACKED_ROW_LENGTH, seed=0):
+    """
+    A packed batch with an indexed attention mask, per-document position_ids and labels.
+
+    Returns a dict with `input_ids`, `attention_mask` (1-based document index, 0 on padding), `position_ids` (restart
+    at 0 per document, 0 on padding), `labels` (the token ids, -100 at each document's first token and on padding) and
+    `documents` (per row, the list of `(start, length)` spans).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batch_size = len(document_lengths)
+    input_ids = torch.randint(3, VOCAB_SIZE, (batch_size, row_length), generator=generator)
+    attention_mask = torch.zeros(batch_size, row_length, dtype=torch.long)
+    position_ids = torch.zeros(batch_size, row_length, dtype=torch.long)
+    labels = torch.full((batch_size, row_length), -100)
+    documents = []
+    for row, lengths in enumerate(document_lengths):
+        start, spans = 0, []
+        for index, length in enumerate(lengths, start=1):
+            attention_mask[row, start : start + length] = index
+            position_ids[row, start : start + length] = torch.arange(length)
+            labels[row, start + 1 : start + length] = input_ids[row, start + 1 : start + length]
+            spans.append((start, length))
+            start += length
+        documents.append(spans)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "labels": labels,
+        "documents": documents,
+    }
