@@ -1,0 +1,73 @@
+"""The transformers internals the packing hook relies on, checked when the hook is applied (never at import).
+
+Each fact says what we depend on, since when it holds, and when the check can go. A missing fact fails closed with
+`IncompatibleTransformersError`: a patch that silently stops working is the bug this library exists to prevent.
+"""
+
+import inspect
+import warnings
+
+import transformers
+from packaging.version import Version
+
+from .errors import IncompatibleTransformersError
+
+
+# The versions the parity matrix has run against. Below the minimum the builders had other signatures
+# (`cache_position` until 5.9) and no packed-sequence support for sdpa/eager/flex; above the maximum we still run,
+# after the internals check below, and warn once.
+MIN_TRANSFORMERS_VERSION = "5.23.0"
+MAX_TESTED_TRANSFORMERS_VERSION = "5.23.0"
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+# Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites. `cache_position` was removed in
+# 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
+MASK_BUILDER_PARAMETERS = ("config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids")
+MASK_BUILDER_NAMES = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+
+_warned_untested = False
+
+
+def check_transformers_internals() -> None:
+    """Raise `IncompatibleTransformersError` unless every internal the hook patches or calls is present and shaped as
+    expected; warn once above the highest tested version."""
+    global _warned_untested
+    if TRANSFORMERS_VERSION < Version(MIN_TRANSFORMERS_VERSION):
+        raise _incompatible(f"transformers {TRANSFORMERS_VERSION} is older than the minimum {MIN_TRANSFORMERS_VERSION}")
+    from transformers import masking_utils, modeling_flash_attention_utils
+
+    for name in MASK_BUILDER_NAMES:
+        builder = getattr(masking_utils, name, None)
+        if builder is None:
+            raise _incompatible(f"`transformers.masking_utils.{name}` is missing")
+        missing = [p for p in MASK_BUILDER_PARAMETERS if p not in inspect.signature(builder).parameters]
+        if missing:
+            raise _incompatible(f"`transformers.masking_utils.{name}` has no parameter(s) {missing}")
+    for name in ("ALL_MASK_ATTENTION_FUNCTIONS", "flash_attention_mask", "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING"):
+        if not hasattr(masking_utils, name):
+            raise _incompatible(f"`transformers.masking_utils.{name}` is missing")
+    # FlashAttention unpads through a module-global lookup of `_get_unpad_data` inside `_upad_input`; if that lookup
+    # moves, patching the attribute would be inert (the trap that broke axolotl and LLaMA-Factory).
+    upad_input = getattr(modeling_flash_attention_utils, "_upad_input", None)
+    if not hasattr(modeling_flash_attention_utils, "_get_unpad_data") or upad_input is None:
+        raise _incompatible("`transformers.modeling_flash_attention_utils._get_unpad_data`/`_upad_input` is missing")
+    if "_get_unpad_data" not in upad_input.__code__.co_names:
+        raise _incompatible("`_upad_input` no longer looks up `_get_unpad_data` as a module global")
+    if TRANSFORMERS_VERSION > Version(MAX_TESTED_TRANSFORMERS_VERSION) and not _warned_untested:
+        _warned_untested = True
+        warnings.warn(
+            f"llm_packing is tested with transformers {MIN_TRANSFORMERS_VERSION} to {MAX_TESTED_TRANSFORMERS_VERSION}; "
+            f"you have {TRANSFORMERS_VERSION}. Its internals check passed; run `verify_packing(model)` to confirm "
+            "documents stay isolated.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _incompatible(what: str) -> IncompatibleTransformersError:
+    return IncompatibleTransformersError(
+        f"Cannot apply the packing hook: {what} (installed transformers {TRANSFORMERS_VERSION}; llm_packing is tested "
+        f"with {MIN_TRANSFORMERS_VERSION} to {MAX_TESTED_TRANSFORMERS_VERSION}). Install a tested version, e.g. "
+        f"`pip install transformers=={MAX_TESTED_TRANSFORMERS_VERSION}`."
+    )

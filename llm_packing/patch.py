@@ -1,0 +1,263 @@
+"""The model hook: makes an indexed 2-D attention mask (`[1, 1, 2, 2, 2, 0]`) give exact per-document attention.
+
+transformers casts 2-D masks to bool before any backend sees them, which merges packed documents. The hook replaces the
+causal mask builders wherever transformers binds them, and FlashAttention's `_get_unpad_data`:
+- eager / sdpa / flex_attention: the builder is called with `attention_mask=None` and per-document `position_ids`, so
+  transformers' own packed-sequence masking builds the mask (bool for sdpa, additive float for eager, a document
+  `BlockMask` for flex), sliding windows and chunked attention included;
+- flash_attention_2/3/4: the builder hands the raw indexed mask through, and `_get_unpad_data` turns it into
+  per-document `cu_seqlens` (batch size > 1 allowed).
+Masks without a document index above 1 go to the original builders untouched. Nothing is patched at import time;
+`unconfigure_packing()` restores every original object.
+"""
+
+import contextlib
+import functools
+import importlib
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _compat
+from .errors import ContaminationError, UnsupportedSetupError
+from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
+
+
+# Every object the hook replaces: the mask builders (in masking_utils and in every module that imported them by name)
+# and FlashAttention's unpad helper. `LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING` values are replaced too.
+_MASKING_MODULE = "transformers.masking_utils"
+_FLASH_MODULE = "transformers.modeling_flash_attention_utils"
+_PATCH_TARGETS = {
+    "create_causal_mask": _MASKING_MODULE,
+    "create_sliding_window_causal_mask": _MASKING_MODULE,
+    "create_chunked_causal_mask": _MASKING_MODULE,
+    "_get_unpad_data": _FLASH_MODULE,
+}
+
+_originals: dict[str, Any] = {}  # target name -> original object
+_wrappers: dict[str, Any] = {}  # target name -> our replacement
+_replaced_mapping_entries: dict[str, Any] = {}  # LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING key -> original value
+
+
+def configure_packing(model_or_config, *, attn_implementation: str | None = None):
+    """
+    Make indexed packed attention masks isolate documents exactly for this model's architecture and backend.
+
+    Idempotent and process-wide (transformers binds its mask builders per module); undo with
+    [`unconfigure_packing`] or use [`packing_configured`] as a context manager.
+
+    Args:
+        model_or_config ([`~transformers.PreTrainedModel`] or [`~transformers.PretrainedConfig`]):
+            The causal LM (or its config) that will receive packed batches.
+        attn_implementation (`str`, *optional*):
+            If given, switch the model (or config) to this attention backend first: `"eager"`, `"sdpa"`,
+            `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"flash_attention_4"`.
+
+    Returns:
+        The same `model_or_config`, for chaining.
+
+    Raises:
+        `UnsupportedSetupError`: the architecture or backend cannot be isolated (hybrid linear-attention layers, an
+            attention backend without a packed mask path, ...).
+        `IncompatibleTransformersError`: the installed transformers lacks an internal the hook needs.
+    """
+    from .architectures import require_supported
+
+    _compat.check_transformers_internals()
+    config = getattr(model_or_config, "config", model_or_config)
+    if attn_implementation is not None:
+        if hasattr(model_or_config, "set_attn_implementation"):
+            model_or_config.set_attn_implementation(attn_implementation)
+        else:
+            config._attn_implementation = attn_implementation
+    require_supported(config)
+    backend = getattr(config, "_attn_implementation", None)
+    if backend is not None:
+        _mask_route(backend, config)
+    _import_modeling_module(config)
+    _patch_all()
+    return model_or_config
+
+
+def unconfigure_packing() -> None:
+    """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
+    if not _originals:
+        return
+    from transformers import masking_utils
+
+    replaced = {id(wrapper): name for name, wrapper in _wrappers.items()}
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is None:
+            continue
+        for attribute, value in list(namespace.items()):
+            if id(value) in replaced and value is _wrappers[replaced[id(value)]]:
+                namespace[attribute] = _originals[replaced[id(value)]]
+    masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.update(_replaced_mapping_entries)
+    _replaced_mapping_entries.clear()
+    _originals.clear()
+    _wrappers.clear()
+
+
+def is_packing_configured() -> bool:
+    """Whether [`configure_packing`] is in effect in this process."""
+    return bool(_originals)
+
+
+@contextlib.contextmanager
+def packing_configured(model_or_config, *, attn_implementation: str | None = None) -> Iterator[Any]:
+    """Context manager form of [`configure_packing`]; restores the originals on exit (unless packing was already
+    configured on entry)."""
+    was_configured = is_packing_configured()
+    try:
+        yield configure_packing(model_or_config, attn_implementation=attn_implementation)
+    finally:
+        if not was_configured:
+            unconfigure_packing()
+
+
+def _patch_all() -> None:
+    if not _originals:
+        for name, module_name in _PATCH_TARGETS.items():
+            original = getattr(importlib.import_module(module_name), name)
+            _originals[name] = original
+            _wrappers[name] = _wrap_unpad(original) if name == "_get_unpad_data" else _wrap_builder(original)
+    originals = {id(original): name for name, original in _originals.items()}
+    # Modules imported after this point bind the wrappers themselves, since masking_utils itself is patched.
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is None:
+            continue
+        for attribute, value in list(namespace.items()):
+            name = originals.get(id(value))
+            if name is not None and value is _originals[name]:
+                namespace[attribute] = _wrappers[name]
+    _patch_layer_pattern_mapping()
+
+
+def _patch_layer_pattern_mapping() -> None:
+    from transformers import masking_utils
+
+    mapping = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
+    for key, value in list(mapping.items()):
+        replacement = _replace_builder_in(value)
+        if replacement is not value:
+            _replaced_mapping_entries.setdefault(key, value)
+            mapping[key] = replacement
+
+
+def _replace_builder_in(value):
+    """The mapping holds builders, `functools.partial`s of them, and dicts of them (hybrid layer patterns)."""
+    for name, original in _originals.items():
+        if value is original:
+            return _wrappers[name]
+    if isinstance(value, functools.partial):
+        inner = _replace_builder_in(value.func)
+        return functools.partial(inner, *value.args, **value.keywords) if inner is not value.func else value
+    if isinstance(value, dict):
+        replaced = {key: _replace_builder_in(item) for key, item in value.items()}
+        return replaced if any(replaced[key] is not value[key] for key in value) else value
+    return value
+
+
+def _wrap_unpad(original):
+    @functools.wraps(original)
+    def get_unpad_data_with_documents(attention_mask: torch.Tensor):
+        # Bool masks come from transformers' own builders: they hold no document index.
+        if attention_mask.dtype == torch.bool:
+            return original(attention_mask)
+        return get_unpad_data(attention_mask)
+
+    return get_unpad_data_with_documents
+
+
+def _wrap_builder(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def build_mask_with_documents(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        attention_mask = arguments.get("attention_mask")
+        if attention_mask is not None and attention_mask.dim() == 4 and torch.is_grad_enabled():
+            raise UnsupportedSetupError(
+                f"A prepared 4-D `attention_mask` of shape {tuple(attention_mask.shape)} reached a training forward "
+                "while packing is configured: it bypasses per-document masking and drops sliding windows. Pass the "
+                "indexed 2-D mask from DataCollatorWithPacking instead, or call `unconfigure_packing()`."
+            )
+        if not _is_integer_2d(attention_mask):
+            return original(*args, **kwargs)
+        position_ids = arguments.get("position_ids")
+        if not _check_documents(attention_mask, position_ids):
+            return original(*args, **kwargs)
+        config = arguments["config"]
+        if arguments.get("past_key_values") is not None:
+            raise ContaminationError(
+                "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
+                f"(`use_cache=True`, model_type {getattr(config, 'model_type', '?')!r}): the cache would mix the "
+                "documents. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = False`."
+            )
+        if _mask_route(config._attn_implementation, config) == "flash":
+            return attention_mask
+        arguments["attention_mask"] = None
+        arguments["position_ids"] = document_position_ids(attention_mask)
+        return original(*bound.args, **bound.kwargs)
+
+    return build_mask_with_documents
+
+
+def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
+    """One host sync: whether the mask is indexed (some id > 1); if so, validate ids and positions."""
+    checks_positions = position_ids is not None and position_ids.dim() == 2
+    stacked = attention_mask.long()
+    if checks_positions:
+        stacked = torch.stack([stacked, position_ids.to(stacked.device).long().expand_as(stacked)])
+    host = stacked.cpu().numpy()
+    ids = host[0] if checks_positions else host
+    if ids.max(initial=0) <= 1:
+        return False
+    validate_document_ids(ids)
+    if checks_positions:
+        expected = document_position_ids(torch.from_numpy(ids)).numpy()
+        wrong = (ids > 0) & (host[1] != expected)
+        if wrong.any():
+            row, col = map(int, np.argwhere(wrong)[0])
+            raise ContaminationError(
+                f"`position_ids` must restart at 0 for every document of a packed batch; row {row} position {col} "
+                f"has {int(host[1][row, col])} where document {int(ids[row, col])} needs {int(expected[row, col])}. "
+                "Pass the `position_ids` that DataCollatorWithPacking emits."
+            )
+    return True
+
+
+def _mask_route(backend: str, config) -> str:
+    """"flash" for backends that unpad with `_get_unpad_data`, "builder" for those whose mask transformers builds from
+    per-document positions; anything else cannot be isolated."""
+    from transformers import masking_utils
+
+    mask_function = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(backend)
+    if mask_function is masking_utils.flash_attention_mask:
+        return "flash"
+    if mask_function in (masking_utils.sdpa_mask, masking_utils.eager_mask, masking_utils.flex_attention_mask):
+        return "builder"
+    raise UnsupportedSetupError(
+        f"Attention backend {backend!r} (model_type {getattr(config, 'model_type', '?')!r}) has no mask path that "
+        "llm_packing can make per-document. Use one of 'eager', 'sdpa', 'flex_attention', 'flash_attention_2', "
+        "'flash_attention_3', 'flash_attention_4', e.g. `configure_packing(model, attn_implementation='sdpa')`."
+    )
+
+
+def _import_modeling_module(config) -> None:
+    """Import the architecture's modeling module now, so its module-level builder bindings get patched too."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    model_type = getattr(config, "model_type", None)
+    if not model_type:
+        return
+    module_name = model_type_to_module_name(model_type)
+    with contextlib.suppress(ModuleNotFoundError):
+        importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
