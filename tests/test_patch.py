@@ -1,0 +1,176 @@
+"""The hook's mechanics: idempotent, reversible, inert on plain masks, and loud on every setup it cannot isolate.
+Exactness per architecture and backend is tests/test_parity.py."""
+
+import functools
+
+import pytest
+import torch
+import transformers.masking_utils as masking_utils
+import transformers.modeling_flash_attention_utils as flash_utils
+from tiny_models import tiny_model
+from transformers.models.llama import modeling_llama
+
+from llm_packing import (
+    ContaminationError,
+    IncompatibleTransformersError,
+    UnsupportedSetupError,
+    configure_packing,
+    is_packing_configured,
+    packing_configured,
+    unconfigure_packing,
+    verify_packing,
+)
+from llm_packing import _compat
+
+
+BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+PACKED = dict(
+    input_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
+    attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
+    position_ids=torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
+)
+
+
+@pytest.fixture
+def model():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    yield model
+    unconfigure_packing()
+
+
+def _bindings():
+    return {
+        "masking_utils": [getattr(masking_utils, name) for name in BUILDERS],
+        "modeling_llama": [modeling_llama.create_causal_mask],
+        "flash": [flash_utils._get_unpad_data],
+        "mapping": dict(masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING),
+    }
+
+
+class TestPatching:
+    def test_nothing_is_patched_at_import(self):
+        assert not is_packing_configured()
+        assert modeling_llama.create_causal_mask is masking_utils.create_causal_mask
+        assert masking_utils.create_causal_mask.__module__ == "transformers.masking_utils"
+        assert not hasattr(masking_utils.create_causal_mask, "__wrapped__")
+
+    def test_configure_is_idempotent_and_unconfigure_restores_every_original(self, model):
+        before = _bindings()
+        configure_packing(model)
+        patched = _bindings()
+        configure_packing(model)
+        assert _bindings() == patched
+        assert patched["masking_utils"] != before["masking_utils"]
+        assert patched["modeling_llama"] != before["modeling_llama"]
+        assert patched["flash"] != before["flash"]
+        assert patched["mapping"]["full_attention"] is not before["mapping"]["full_attention"]
+        assert isinstance(patched["mapping"]["indexed_attention"], functools.partial)
+        unconfigure_packing()
+        after = _bindings()
+        for key in ("masking_utils", "modeling_llama", "flash"):
+            assert all(a is b for a, b in zip(after[key], before[key])), key
+        assert all(after["mapping"][key] is value for key, value in before["mapping"].items())
+        unconfigure_packing()
+        assert not is_packing_configured()
+
+    def test_context_manager_restores_on_exit_and_on_error(self, model):
+        original = modeling_llama.create_causal_mask
+        with packing_configured(model):
+            assert is_packing_configured()
+            assert modeling_llama.create_causal_mask is not original
+        assert modeling_llama.create_causal_mask is original
+        with pytest.raises(RuntimeError, match="boom"), packing_configured(model):
+            raise RuntimeError("boom")
+        assert not is_packing_configured()
+
+    def test_modules_imported_after_configure_bind_the_patched_builder(self, model):
+        configure_packing(model)
+        from transformers.masking_utils import create_causal_mask
+
+        assert create_causal_mask is modeling_llama.create_causal_mask
+
+    def test_attn_implementation_argument_switches_the_backend(self, model):
+        configure_packing(model, attn_implementation="eager")
+        assert model.config._attn_implementation == "eager"
+        assert verify_packing(model, atol=1e-5) <= 1e-5
+
+
+class TestBehaviour:
+    def test_packed_batch_is_contaminated_without_the_hook_and_exact_with_it(self, model):
+        with pytest.raises(ContaminationError, match="configure_packing"):
+            verify_packing(model)
+        configure_packing(model)
+        assert verify_packing(model, atol=1e-5) <= 1e-5
+
+    def test_plain_padding_mask_gives_identical_logits_with_and_without_the_hook(self, model):
+        batch = dict(input_ids=PACKED["input_ids"], attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]))
+        with torch.no_grad():
+            plain = model(**batch, use_cache=False).logits
+            configure_packing(model)
+            hooked = model(**batch, use_cache=False).logits
+        assert torch.equal(plain, hooked)
+
+    def test_use_cache_with_a_packed_batch_raises(self, model):
+        configure_packing(model)
+        with torch.no_grad(), pytest.raises(ContaminationError, match="use_cache=False"):
+            model(**PACKED, use_cache=True)
+
+    def test_positions_that_do_not_restart_per_document_raise(self, model):
+        configure_packing(model)
+        batch = {**PACKED, "position_ids": torch.arange(6).expand(2, 6)}
+        with torch.no_grad(), pytest.raises(ContaminationError, match="row 0 position 2 has 2"):
+            model(**batch, use_cache=False)
+
+    def test_malformed_document_ids_raise(self, model):
+        configure_packing(model)
+        batch = {**PACKED, "attention_mask": torch.tensor([[1, 1, 2, 2, 1, 0], [1, 2, 2, 3, 3, 3]])}
+        with torch.no_grad(), pytest.raises(ValueError, match="numbered 1, 2, 3"):
+            model(**batch, use_cache=False)
+
+    def test_four_dimensional_mask_in_a_training_forward_raises(self, model):
+        configure_packing(model)
+        mask = torch.zeros(2, 1, 6, 6)
+        with pytest.raises(UnsupportedSetupError, match="4-D `attention_mask`"):
+            model(input_ids=PACKED["input_ids"], attention_mask=mask, use_cache=False)
+
+    def test_unknown_attention_backend_raises_at_configure_and_at_forward(self, model):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("my_kernel", AttentionInterface._global_mapping["sdpa"])
+        try:
+            model.config._attn_implementation = "my_kernel"
+            with pytest.raises(UnsupportedSetupError, match="'my_kernel'"):
+                configure_packing(model)
+            model.config._attn_implementation = "sdpa"
+            configure_packing(model)
+            model.config._attn_implementation = "my_kernel"
+            with torch.no_grad(), pytest.raises(UnsupportedSetupError, match="'my_kernel'"):
+                model(**PACKED, use_cache=False)
+        finally:
+            model.config._attn_implementation = "sdpa"
+            del AttentionInterface._global_mapping["my_kernel"]
+
+
+class TestVersionChecks:
+    def test_transformers_older_than_the_minimum_fails_closed(self, model, monkeypatch):
+        monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", _compat.Version("5.8.0"))
+        with pytest.raises(IncompatibleTransformersError, match="older than the minimum"):
+            configure_packing(model)
+        assert not is_packing_configured()
+
+    def test_missing_builder_parameter_fails_closed(self, model, monkeypatch):
+        monkeypatch.setattr(_compat, "MASK_BUILDER_PARAMETERS", (*_compat.MASK_BUILDER_PARAMETERS, "cache_position"))
+        with pytest.raises(IncompatibleTransformersError, match="cache_position"):
+            configure_packing(model)
+        assert not is_packing_configured()
+
+    def test_unpad_lookup_moved_fails_closed(self, model, monkeypatch):
+        monkeypatch.setattr(flash_utils, "_upad_input", lambda *args: None)
+        with pytest.raises(IncompatibleTransformersError, match="_get_unpad_data"):
+            configure_packing(model)
+
+    def test_newer_untested_version_warns_once(self, model, monkeypatch):
+        monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", _compat.Version("99.0.0"))
+        monkeypatch.setattr(_compat, "_warned_untested", False)
+        with pytest.warns(UserWarning, match="tested with transformers"):
+            configure_packing(model)
