@@ -6,7 +6,8 @@
 Peers: TRL's BFD as `trl.data_utils.pack_dataset(strategy="bfd")` applies it (one `_pack_bfd` per 1,000-row map
 batch), the per-1,000-row greedy knapsack other trainers use (re-implemented below), a pure-Python heap worst-fit
 decreasing, `seqpacker` when importable, and the floor: one stable `np.argsort` of the lengths as uint16 (radix).
-Times are wall-clock from a NumPy int64 array to the packer's own output, minimum of 5 runs under 1 s, of 3 under 5 s.
+Times are wall-clock from a NumPy int64 array to the packer's own output, minimum of 5 runs under 1 s, of 3 under 5 s;
+each run of `pack_sequences` follows one floor run, and 'x floor' divides by the fastest floor run at that size.
 A peer is skipped where extrapolation from the previous size (linear) exceeds the budget; the estimate is printed.
 """
 
@@ -105,10 +106,15 @@ def warm_up_trl() -> bool:
     return True
 
 
-def measure(fn, quick: bool) -> tuple[float, float, object]:
-    """Minimum wall and CPU seconds over repeated runs, and the last output."""
+def measure(fn, quick: bool, floor=None, floor_times=None) -> tuple[float, float, object]:
+    """Minimum wall and CPU seconds over repeated runs, and the last output. With `floor`, one floor run precedes
+    each run and its (wall, cpu) go to `floor_times`, so that both see the same load on a shared machine."""
     walls, cpus = [], []
     while True:
+        if floor is not None:
+            wall, cpu = time.perf_counter(), time.process_time()
+            floor()
+            floor_times.append((time.perf_counter() - wall, time.process_time() - cpu))
         wall, cpu = time.perf_counter(), time.process_time()
         out = fn()
         walls.append(time.perf_counter() - wall)
@@ -192,33 +198,40 @@ def main() -> None:
             lengths = all_lengths[:n]
             lower_bound = -(-int(lengths.sum()) // capacity)
             key = lengths.astype(np.uint16)
-            floor_wall, floor_cpu, _ = measure(lambda: np.argsort(key, kind="stable"), args.quick)
+            floor = lambda: np.argsort(key, kind="stable")  # noqa: E731
+            floor_times: list[tuple[float, float]] = []
+            measure(floor, args.quick, floor, floor_times)
+            rows = [(name, *_run_cell(name, fn, lengths, capacity, args.quick, budget, last, has_trl, floor,
+                                      floor_times)) for name, fn in packers(capacity)]
+            floor_wall, floor_cpu = (min(t) for t in zip(*floor_times))
             print(f"| floor: stable argsort (uint16) | {n:,} | {_fmt(floor_wall)} | {_fmt(floor_cpu)} | 1.00 / 1.00 "
                   f"| LB {lower_bound:,} | | |")
-            for name, fn in packers(capacity):
-                if name.startswith("trl"):
-                    if not has_trl:
-                        print(f"| {name} | {n:,} | not installed | | | | | |")
-                        continue
-                    if int(lengths.sum()) > TRL_MAX_TOKENS:
-                        print(f"| {name} | {n:,} | not run (> 1e9 tokens) | | | | | |")
-                        continue
-                    dataset = make_trl(lengths)
-                    fn = lambda x, dataset=dataset: run_trl(dataset, capacity)  # noqa: E731
-                if name in last:
-                    estimate = last[name][1] * n / last[name][0]
-                    if estimate > budget:
-                        print(f"| {name} | {n:,} | skip (est {estimate:,.0f} s) | | | | | |")
-                        continue
-                wall, cpu, out = measure(lambda: fn(lengths), args.quick)
-                last[name] = (n, wall)
-                counts = bins_of(name, out, lengths, capacity, validate=n <= 1_000_000)
-                num_bins = len(counts)
+            for name, note, wall, cpu, num_bins in rows:
+                if note:
+                    print(f"| {name} | {n:,} | {note} | | | | | |")
+                    continue
                 efficiency = int(lengths.sum()) / (num_bins * capacity)
                 print(f"| {name} | {n:,} | {_fmt(wall)} | {_fmt(cpu)} | {wall / floor_wall:.2f} / "
                       f"{cpu / floor_cpu:.2f} | {num_bins:,} | {efficiency:.4%} | {num_bins / lower_bound - 1:+.4%} |")
-                del out
     print(f"\n- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def _run_cell(name, fn, lengths, capacity, quick, budget, last, has_trl, floor, floor_times):
+    """One packer at one size: (note, wall, cpu, bins), the note saying why it did not run."""
+    n = len(lengths)
+    if name in last and last[name][1] * n / last[name][0] > budget:
+        return f"skip (est {last[name][1] * n / last[name][0]:,.0f} s)", 0.0, 0.0, 0
+    if name.startswith("trl"):
+        if not has_trl:
+            return "not installed", 0.0, 0.0, 0
+        if int(lengths.sum()) > TRL_MAX_TOKENS:
+            return f"not run ({lengths.sum():.1e} tokens > 1e9: OOM risk)", 0.0, 0.0, 0
+        dataset = make_trl(lengths)
+        fn = lambda x: run_trl(dataset, capacity)  # noqa: E731
+    ours = name.startswith("pack_sequences")
+    wall, cpu, out = measure(lambda: fn(lengths), quick, floor if ours else None, floor_times)
+    last[name] = (n, wall)
+    return "", wall, cpu, len(bins_of(name, out, lengths, capacity, validate=n <= 1_000_000))
 
 
 def _fmt(seconds: float) -> str:

@@ -203,7 +203,7 @@ def _check_lengths(lengths) -> np.ndarray:
     try:
         array = np.asarray(lengths)
     except (ValueError, TypeError) as error:
-        raise PackingTypeError(f"`lengths` must be a 1-D sequence of integers; converting it failed: {error}") from None
+        raise PackingTypeError(f"`lengths` must be a 1-D sequence of integers; converting failed: {error}") from None
     if array.ndim != 1:
         raise PackingTypeError(
             f"`lengths` must be 1-D (one length per sequence), got shape {array.shape}. Pass e.g. `[3, 5, 2]`."
@@ -212,8 +212,8 @@ def _check_lengths(lengths) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise PackingTypeError(
-            f"`lengths` must hold integers, got dtype {array.dtype} (first value {array[0].item()!r}). Pass token counts "
-            "as ints, e.g. `np.asarray(lengths, dtype=np.int64)` if they are whole numbers."
+            f"`lengths` must hold integers, got dtype {array.dtype} (first value {array[0].item()!r}). Pass token "
+            "counts as ints, e.g. `np.asarray(lengths, dtype=np.int64)` if they are whole numbers."
         )
     if array.min() <= 0:
         bad = array <= 0
@@ -246,7 +246,7 @@ def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
 
 def _length_pools(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct lengths (ascending), their counts, and the item ids stably sorted by length."""
-    longest = int(lengths.max())
+    longest = int(lengths.max())  # a 1-D read: cheaper than threading the value through
     if longest < 1 << 16:
         # A 16-bit key makes numpy's stable argsort a radix sort: two counting passes.
         by_length = np.argsort(lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16), kind="stable")
@@ -300,10 +300,10 @@ def _next_fit(lengths: np.ndarray, capacity: int, max_docs: int, rng) -> tuple[n
 
 class _Plan:
     """
-    Bins grouped by contents while packing. A group `(first_bin, num_bins, node, free, docs)` is a run of consecutive
-    bin ids with identical contents: `docs` items, `free` tokens left. A node `(parent, per_bin, base)` is the
-    parent's contents plus `per_bin` items of one length, bin `b` taking the length-sorted ids from `base + b * per_bin`
-    on, so groups that split later still find their items.
+    Bins grouped by contents while packing. A group `(first_bin, num_bins, node, free, docs)` is a run of
+    consecutive bin ids with identical contents: `docs` items, `free` tokens left. A node `(parent, per_bin, base)`
+    is the parent's contents plus `per_bin` items of one length, bin `b` taking the length-sorted ids from
+    `base + b * per_bin` on, so groups that split later still find their items.
     """
 
     def __init__(self, capacity: int, max_docs: int, smallest: int):
@@ -352,7 +352,8 @@ class _Plan:
     def best_fit(self, steps) -> None:
         classes: dict[int, list] = {}  # free tokens -> heap of groups
         free_sizes: list[int] = []  # sorted keys of `classes`
-        fill, open_bins, closed, smallest, max_docs = self.fill, self.open_bins, self.closed, self.smallest, self.max_docs
+        fill, open_bins, closed = self.fill, self.open_bins, self.closed
+        smallest, max_docs = self.smallest, self.max_docs
         for size, todo, pool in steps:
             moved: list = []
             i = bisect_left(free_sizes, size)
@@ -417,8 +418,10 @@ class _Plan:
                     pool, todo = pool + num * rounds, todo - num * rounds
                 else:  # the last round reaches only the first `extra` bins
                     full, extra = divmod(todo, num)
-                    nodes.append((node, full + 1, pool - first * (full + 1)))
-                    parts = [(first, extra, len(nodes) - 1, free - (full + 1) * size, docs + full + 1)]
+                    parts = []
+                    if extra:
+                        nodes.append((node, full + 1, pool - first * (full + 1)))
+                        parts.append((first, extra, len(nodes) - 1, free - (full + 1) * size, docs + full + 1))
                     if full:
                         nodes.append((node, full, pool + extra - first * full))
                         parts.append((first + extra, num - extra, len(nodes) - 1, free - full * size, docs + full))
@@ -446,7 +449,8 @@ class _Plan:
         bin_offsets = np.zeros(self.next_bin + 1, dtype=np.int64)
         np.cumsum(np.repeat(width, num), out=bin_offsets[1:])
         start = bin_offsets[first]
-        parent, per_bin, base = np.fromiter(chain.from_iterable(self.nodes), np.int64, 3 * len(self.nodes)).reshape(-1, 3).T
+        nodes = np.fromiter(chain.from_iterable(self.nodes), np.int64, 3 * len(self.nodes))
+        parent, per_bin, base = nodes.reshape(-1, 3).T
         # One segment per (group, node on its path): `num` rows of `per_bin` ids, found level by level.
         seg_group, seg_node, seg_column = [], [], []
         column, current, live = width.copy(), node.copy(), np.flatnonzero(node)
@@ -462,7 +466,8 @@ class _Plan:
         order = np.empty(len(by_length), dtype=np.int64)
         # Big segments: one slice copy each; the many small ones: one vectorised scatter for all.
         big = rows * cols > _SLICE_MIN_ITEMS
-        for src, dst, col, r, c, w in zip(*(a[big].tolist() for a in (source, block_start, column, rows, cols, stride))):
+        segments = (a[big].tolist() for a in (source, block_start, column, rows, cols, stride))
+        for src, dst, col, r, c, w in zip(*segments):
             block = order[dst : dst + r * w].reshape(r, w)
             block[:, col : col + c] = by_length[src : src + r * c].reshape(r, c)
         small = ~big

@@ -201,7 +201,7 @@ class TestErrors:
         [
             ([[1, 2], [3, 4]], r"`lengths` must be 1-D .* got shape \(2, 2\)"),
             (5, r"`lengths` must be 1-D .* got shape \(\)"),
-            ([[1, 2], [3]], r"`lengths` must be a 1-D sequence of integers; converting it failed"),
+            ([[1, 2], [3]], r"`lengths` must be a 1-D sequence of integers; converting failed"),
             ([1.0, 2.0], r"`lengths` must hold integers, got dtype float64 \(first value 1.0\)"),
             ([float("nan"), 2.0], r"must hold integers, got dtype float64 \(first value nan\)"),
             ([True, False], r"must hold integers, got dtype bool"),
