@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,10 @@ _PATCH_TARGETS = {
 _originals: dict[str, Any] = {}  # target name -> original object
 _wrappers: dict[str, Any] = {}  # target name -> our replacement
 _replaced_mapping_entries: dict[str, Any] = {}  # LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING key -> original value
+
+# sdpa/eager masks are dense: warn once past this size (one mask; models with sliding layers build two).
+DENSE_MASK_WARNING_BYTES = 1 << 30
+_warned_dense_mask = False
 
 
 def configure_packing(model_or_config, *, attn_implementation: str | None = None):
@@ -201,8 +206,11 @@ def _wrap_builder(original):
                 f"(`use_cache=True`, model_type {getattr(config, 'model_type', '?')!r}): the cache would mix the "
                 "documents. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = False`."
             )
-        if _mask_route(config._attn_implementation, config) == "flash":
+        route = _mask_route(config._attn_implementation, config)
+        if route == "flash":
             return attention_mask
+        if route == "dense":
+            _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, config._attn_implementation)
         arguments["attention_mask"] = None
         arguments["position_ids"] = document_position_ids(attention_mask)
         return original(*bound.args, **bound.kwargs)
@@ -235,20 +243,40 @@ def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | 
 
 
 def _mask_route(backend: str, config) -> str:
-    """"flash" for backends that unpad with `_get_unpad_data`, "builder" for those whose mask transformers builds from
-    per-document positions; anything else cannot be isolated."""
+    """"flash" for backends that unpad with `_get_unpad_data`; "dense" (sdpa, eager) and "flex" for those whose mask
+    transformers builds from per-document positions; anything else cannot be isolated."""
     from transformers import masking_utils
 
     mask_function = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(backend)
     if mask_function is masking_utils.flash_attention_mask:
         return "flash"
-    if mask_function in (masking_utils.sdpa_mask, masking_utils.eager_mask, masking_utils.flex_attention_mask):
-        return "builder"
+    if mask_function in (masking_utils.sdpa_mask, masking_utils.eager_mask):
+        return "dense"
+    if mask_function is masking_utils.flex_attention_mask:
+        return "flex"
     raise UnsupportedSetupError(
         f"Attention backend {backend!r} (model_type {getattr(config, 'model_type', '?')!r}) has no mask path that "
         "llm_packing can make per-document. Use one of 'eager', 'sdpa', 'flex_attention', 'flash_attention_2', "
         "'flash_attention_3', 'flash_attention_4', e.g. `configure_packing(model, attn_implementation='sdpa')`."
     )
+
+
+def _warn_if_dense_mask_is_large(attention_mask: torch.Tensor, dtype: torch.dtype, backend: str) -> None:
+    """sdpa and eager get a materialised (batch, 1, length, length) mask per mask type: memory quadratic in length."""
+    global _warned_dense_mask
+    batch_size, length = attention_mask.shape
+    element_size = 1 if backend == "sdpa" else dtype.itemsize
+    size = batch_size * length * length * element_size
+    if size > DENSE_MASK_WARNING_BYTES and not _warned_dense_mask:
+        _warned_dense_mask = True
+        warnings.warn(
+            f"The packed {backend} attention mask for a batch of shape {tuple(attention_mask.shape)} takes "
+            f"{size / 2**30:.1f} GiB (batch x length^2 x {element_size} bytes, per mask type): above "
+            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. FlashAttention ('flash_attention_2') and flex_attention keep "
+            "packing memory linear in tokens; otherwise lower per_device_train_batch_size or max_length.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _import_modeling_module(config) -> None:

@@ -174,3 +174,22 @@ class TestVersionChecks:
         monkeypatch.setattr(_compat, "_warned_untested", False)
         with pytest.warns(UserWarning, match="tested with transformers"):
             configure_packing(model)
+
+
+class TestRefusals:
+    def test_hybrid_architecture_is_refused_and_nothing_is_patched(self):
+        from transformers import AutoConfig
+
+        with pytest.raises(UnsupportedSetupError, match="'jamba'.*hybrid"):
+            configure_packing(AutoConfig.for_model("jamba"))
+        assert not is_packing_configured()
+        assert not hasattr(modeling_llama.create_causal_mask, "__wrapped__")
+
+    def test_large_dense_mask_warns_once_with_the_linear_memory_alternative(self, model, monkeypatch):
+        from llm_packing import patch
+
+        monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", 2 * 6 * 6 - 1)
+        monkeypatch.setattr(patch, "_warned_dense_mask", False)
+        configure_packing(model)
+        with torch.no_grad(), pytest.warns(UserWarning, match="flash_attention_2"):
+            model(**PACKED, use_cache=False)
