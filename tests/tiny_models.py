@@ -17,7 +17,7 @@ WINDOW = 4
 PACKED_DOCUMENT_LENGTHS = ((5, 1, 7, 3), (9, 2, 1, 6))
 PACKED_ROW_LENGTH = 18
 VOCAB_SIZE = 128
-MAX_PARAMETERS = 2_000_000
+MAX_PARAMETERS = 8_000_000
 
 # Generic shrink: config field -> tiny value, applied when the default config has the field.
 _SHRINK = {
