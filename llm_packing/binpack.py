@@ -1,9 +1,10 @@
 """Bin packing of sequence lengths: `pack_sequences` puts every sequence in a bin of at most `capacity` tokens.
 
 The decreasing strategies work on the length histogram with bins grouped by contents, moving whole groups per step:
-the plan costs O(distinct lengths x bin groups), not O(items x bins), and `"bfd"`/`"ffd"` give exactly the bins of
-per-item best/first-fit decreasing (ties go to the earliest opened bin). Binding item ids costs one stable radix
-argsort of the lengths and one copy. numpy only; no Python loop runs per item.
+the plan costs O(distinct lengths x bin groups), not O(items x bins). `"bfd"`/`"ffd"` give exactly the bins of
+per-item best/first-fit decreasing (ties go to the earliest opened bin), `"wfd"` the bin templates of per-item
+worst-fit decreasing. Binding item ids costs one stable radix argsort of the lengths and one copy; `"nf"` one
+vectorised search and one step per bin. numpy only; no Python loop runs per item.
 """
 
 import hashlib
@@ -168,11 +169,11 @@ def pack_sequences(
     """
     lengths = _check_lengths(lengths)
     _check_options(capacity, strategy, seed, max_docs_per_bin)
-    if len(lengths) and lengths.max() > capacity:
-        too_long = lengths > capacity
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > capacity:
         raise SequenceTooLongError(
-            f"{int(too_long.sum())} of {len(lengths)} sequences are longer than `capacity`={capacity} (the longest, "
-            f"at index {int(np.argmax(lengths))}, has {int(lengths.max())} tokens). Raise `capacity`, or cut them "
+            f"{int((lengths > capacity).sum())} of {len(lengths)} sequences are longer than `capacity`={capacity} "
+            f"(the longest, at index {int(np.argmax(lengths))}, has {longest} tokens). Raise `capacity`, or cut them "
             'first with `pack_dataset(..., overflow="truncate"|"split"|"drop")`.'
         )
     max_docs = len(lengths) + 1 if max_docs_per_bin is None else int(max_docs_per_bin)
@@ -183,7 +184,7 @@ def pack_sequences(
     elif strategy == "nf":
         order, bin_offsets = _next_fit(lengths, capacity, max_docs, rng)
     else:
-        sizes, counts, by_length = _length_pools(lengths)
+        sizes, counts, by_length = _length_pools(lengths, longest)
         if rng is not None:
             _shuffle_pools(by_length, counts, rng)
         plan = _Plan(capacity, max_docs, smallest=int(sizes[0]))
@@ -244,9 +245,8 @@ def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
         )
 
 
-def _length_pools(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct lengths (ascending), their counts, and the item ids stably sorted by length."""
-    longest = int(lengths.max())  # a 1-D read: cheaper than threading the value through
     if longest < 1 << 16:
         # A 16-bit key makes numpy's stable argsort a radix sort: two counting passes.
         by_length = np.argsort(lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16), kind="stable")
@@ -290,7 +290,7 @@ def _next_fit(lengths: np.ndarray, capacity: int, max_docs: int, rng) -> tuple[n
     if rng is None:
         return np.arange(n, dtype=np.int64), bin_offsets
     # Same templates, new pairings: each item's slot goes to a random item of the same length.
-    _, counts, by_length = _length_pools(lengths)
+    _, counts, by_length = _length_pools(lengths, int(lengths.max()))
     shuffled = by_length.copy()
     _shuffle_pools(shuffled, counts, rng)
     order = np.empty(n, dtype=np.int64)
@@ -468,8 +468,11 @@ class _Plan:
         big = rows * cols > _SLICE_MIN_ITEMS
         segments = (a[big].tolist() for a in (source, block_start, column, rows, cols, stride))
         for src, dst, col, r, c, w in zip(*segments):
-            block = order[dst : dst + r * w].reshape(r, w)
-            block[:, col : col + c] = by_length[src : src + r * c].reshape(r, c)
+            if c == w or r == 1:  # whole bins of one length, or one bin: a contiguous copy
+                order[dst + col : dst + col + r * c] = by_length[src : src + r * c]
+            else:
+                block = order[dst : dst + r * w].reshape(r, w)
+                block[:, col : col + c] = by_length[src : src + r * c].reshape(r, c)
         small = ~big
         rows, cols, stride = rows[small], cols[small], stride[small]
         # Expand segments to rows, then rows to items (no division per item).

@@ -123,6 +123,14 @@ class TestPackSequences:
         capped = pack_sequences(lengths, 64, strategy=strategy, max_docs_per_bin=7)
         assert capped.bins == reference_decreasing(lengths, 64, strategy, 7)
 
+    @pytest.mark.parametrize("strategy", ["bfd", "ffd"])
+    def test_lengths_beyond_16_bits(self, strategy):
+        # Lengths >= 65536 cannot use the 16-bit radix key and take the general stable sort.
+        lengths = [70_000, 130_000, 70_000, 5, 60_000, 129_995]
+        assert pack_sequences(lengths, 200_000, strategy=strategy).bins == reference_decreasing(
+            lengths, 200_000, strategy
+        )
+
     def test_worst_fit_balances_fill(self):
         # Four 6s open four bins; the 1s go round-robin to the roomiest: 6+2 each, not 6+4 and 6+4 and 6, 6.
         result = pack_sequences([6, 6, 6, 6, 1, 1, 1, 1, 1, 1, 1, 1], 10, strategy="wfd")
