@@ -172,12 +172,10 @@ def main() -> None:
         sets = dict(list(sets.items())[:1])
     has_trl = warm_up_trl()
 
-    import numpy
-
     print(f"# pack_speed ({'quick' if args.quick else 'full'} run)\n")
     print(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"- machine: {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}, "
-          f"NumPy {numpy.__version__}")
+          f"NumPy {np.__version__}")
     print(f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine: other work "
           "may run at the same time; the cpu column is process CPU time, less sensitive to that)")
     try:

@@ -249,12 +249,26 @@ def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.nda
     """Distinct lengths (ascending), their counts, and the item ids stably sorted by length."""
     if longest < 1 << 16:
         # A 16-bit key makes numpy's stable argsort a radix sort: two counting passes.
-        by_length = np.argsort(lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16), kind="stable")
-        histogram = np.bincount(lengths, minlength=longest + 1)
+        key = lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16)
+        by_length = np.argsort(key, kind="stable")
+        histogram = np.diff(_first_positions(key, by_length, longest + 1))
         sizes = np.flatnonzero(histogram)
         return sizes, histogram[sizes], by_length
     sizes, counts = np.unique(lengths, return_counts=True)
     return sizes, counts, np.argsort(lengths, kind="stable")
+
+
+def _first_positions(key: np.ndarray, by_length: np.ndarray, top: int) -> np.ndarray:
+    """Where each length `0..top` starts in the length-sorted order: one binary search per length, all at once
+    (about log2(N) steps over `top + 1` values), so no second pass over the N items is needed for the histogram."""
+    targets = np.arange(top + 1)
+    low, high = np.zeros_like(targets), np.full_like(targets, len(by_length))
+    while (active := low < high).any():
+        middle = (low + high) >> 1
+        below = key[by_length[np.minimum(middle, len(by_length) - 1)]] < targets
+        low = np.where(active & below, middle + 1, low)
+        high = np.where(active & ~below, middle, high)
+    return low
 
 
 def _shuffle_pools(by_length: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> None:
