@@ -16,7 +16,7 @@ from datasets.fingerprint import Hasher
 from datasets.utils.tqdm import tqdm
 
 from .binpack import pack_sequences, seed_from_components
-from .errors import PackingTypeError, PackingValueError
+from .errors import PackingError, PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 
 
@@ -109,7 +109,12 @@ def pack_dataset(
             )
         return pack_iterable_dataset(dataset, max_length, overflow=overflow, buffer_size=buffer_size, **options)
     if isinstance(dataset, datasets.DatasetDict):
-        packed = {split: _Documents(ds, max_length, overflow).pack(**options) for split, ds in dataset.items()}
+        packed = {}
+        for split, ds in dataset.items():
+            try:
+                packed[split] = _Documents(ds, max_length, overflow).pack(**options)
+            except PackingError as error:  # same type, so `except SequenceTooLongError` still works
+                raise type(error)(f"Split {split!r}: {error}") from error
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
         return (result, {split: stats for split, (_, stats) in packed.items()}) if return_stats else result
     if not isinstance(dataset, datasets.Dataset):
@@ -268,6 +273,8 @@ def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | N
 def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Row lengths and flat values of a list-of-integers column, checked against `lengths` when given."""
     column = table.column(name)
+    if len(column) == 0 and pa.types.is_null(column.type):  # `Dataset.from_dict({"input_ids": []})` has no type
+        return np.zeros(0, np.int64), np.zeros(0, np.int32)
     value_type = getattr(column.type, "value_type", None)
     is_mask = name in MASK_COLUMNS
     allowed = (pa.types.is_integer, pa.types.is_null, *((pa.types.is_boolean,) if is_mask else ()))  # null: all empty
@@ -300,6 +307,13 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
         raise PackingValueError(
             f"Column {name!r} must hold values in [{low}, {_INT32_MAX}], found {bad!r}. Token ids are non-negative; "
             "-100 (not trained on) belongs in 'labels' only."
+        )
+    if low < 0 and len(values) and values.min() < 0 and (wrong := (values < 0) & (values != IGNORE_INDEX)).any():
+        first = int(np.argmax(wrong))
+        row = int(np.searchsorted(np.cumsum(column_lengths), first, side="right"))
+        raise PackingValueError(
+            f"Column {name!r} holds {int(values[first])} in row {row}: a label is a token id (>= 0) or {IGNORE_INDEX} "
+            f"(not trained on); the loss would fail on anything else. Mask tokens with {IGNORE_INDEX}."
         )
     return column_lengths, values.astype(np.int32, copy=False)
 
