@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 
 from .binpack import pack_sequences, seed_from_components
-from .dataset import IGNORE_INDEX, MASK_COLUMNS
+from .dataset import _INT32_MAX, IGNORE_INDEX, MASK_COLUMNS
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .stats import PackingStats
@@ -146,8 +146,6 @@ def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
             "`dataset.map(lambda ex: tokenizer(ex['text']))`."
         )
     input_ids = _integers(example["input_ids"], "input_ids", row)
-    if len(input_ids) and input_ids.min() < 0:
-        raise PackingValueError(f"'input_ids' of example {row} holds {input_ids.min()!r}; token ids are >= 0.")
     labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
     for name in MASK_COLUMNS:
         if example.get(name) is not None:
@@ -157,7 +155,9 @@ def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _integers(values, name: str, row: int, expected_length: int | None = None) -> np.ndarray:
     array = np.asarray(values)
-    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool or array.size == 0):
+    is_mask = name in MASK_COLUMNS
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or (is_mask and array.dtype == bool)
+                               or array.size == 0):
         raise PackingTypeError(
             f"{name!r} of example {row} must be a flat list of integers, got dtype {array.dtype} and shape "
             f"{array.shape}. Tokenize the text and cast the ids to integers first."
@@ -167,4 +167,15 @@ def _integers(values, name: str, row: int, expected_length: int | None = None) -
             f"{name!r} of example {row} has {len(array)} values but 'input_ids' has {expected_length}. Every token "
             f"needs exactly one {name!r} entry; fix that example's preprocessing."
         )
+    if not is_mask and array.size:
+        # The packed columns are int32, as in map-style packing: a value outside would wrap silently.
+        allowed = (array >= 0) & (array <= _INT32_MAX)
+        if name == "labels":
+            allowed |= array == IGNORE_INDEX
+        if not allowed.all():
+            also = "" if name == "input_ids" else f"; labels may also be {IGNORE_INDEX} (not trained on)"
+            raise PackingValueError(
+                f"{name!r} of example {row} holds {array[~allowed][0].item()!r}: token ids are in [0, {_INT32_MAX}]"
+                f"{also}. Fix that example's tokenization."
+            )
     return array.astype(np.int32)
