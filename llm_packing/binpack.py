@@ -216,6 +216,10 @@ def _check_lengths(lengths) -> np.ndarray:
             f"`lengths` must hold integers, got dtype {array.dtype} (first value {array[0].item()!r}). Pass token "
             "counts as ints, e.g. `np.asarray(lengths, dtype=np.int64)` if they are whole numbers."
         )
+    if array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:
+        raise PackingValueError(
+            f"`lengths` holds {int(array.max())}, beyond int64: not a token count. Pass the sequences' lengths."
+        )
     if array.min() <= 0:
         bad = array <= 0
         first = int(np.argmax(bad))
