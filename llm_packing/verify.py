@@ -6,7 +6,7 @@ the model, and compares the logits of every real token. Cost: four forwards of a
 
 import torch
 
-from .errors import ContaminationError
+from .errors import ContaminationError, PackingTypeError, PackingValueError
 
 
 def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
@@ -28,6 +28,13 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
     Raises:
         `ContaminationError`: the difference exceeds `atol`, i.e. documents attend across their boundaries.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise PackingTypeError(
+            f"`model` must be a transformers model (a torch.nn.Module with a `config`), got {type(model).__name__}. "
+            "Pass the model itself, e.g. `verify_packing(model)`, not its config."
+        )
+    if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0):
+        raise PackingValueError(f"`atol` must be a non-negative number or None (a dtype default), got {atol!r}.")
     parameter = next(model.parameters())
     if atol is None:
         atol = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 5e-2
