@@ -8,6 +8,7 @@ Every tensor is built with numpy operations over the whole batch (one loop per r
   `flash_attention_*` backends only.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     Args:
         pad_token_id (`int`, *optional*, defaults to `0`):
-            Token id used for padding; padding is never attended to nor trained on.
+            Token id used for padding; padding is never attended to nor trained on, but it is embedded, so it must be
+            >= 0. Likewise `input_ids` must be >= 0 and `labels` >= 0 or -100 (anything else is refused; ids at or
+            above the vocabulary size are left for the model to refuse, as the collator does not know the vocabulary).
         max_length (`int`, *optional*):
             Longest row allowed. Raw examples are packed into rows of at most this many tokens.
         pad_to_multiple_of (`int`, *optional*):
@@ -80,6 +83,13 @@ class DataCollatorWithPacking(DataCollatorMixin):
     return_tensors: str = "pt"
 
     def __post_init__(self):
+        pad = self.pad_token_id
+        if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < 0:
+            raise PackingValueError(
+                f"`pad_token_id` must be a non-negative integer (padding is embedded like any token), got {pad!r}. "
+                "Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
+                "`pad_token_id=tokenizer.pad_token_id`."
+            )
         for name in ("max_length", "pad_to_multiple_of"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -129,6 +139,13 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     def _rows(self, features: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(input_ids, labels, seq_lengths) of each row, validated; raw examples packed into rows first."""
+        if isinstance(features, Mapping) or not all(isinstance(feature, Mapping) for feature in features):
+            kinds = sorted({type(feature).__name__ for feature in features})
+            got = type(features).__name__ if isinstance(features, Mapping) else f"a list of {kinds}"
+            raise PackingTypeError(
+                f"`features` must be a list of dicts (one per example), got {got}. Pass `[dataset[i] for i in "
+                "indices]`, as the Trainer's dataloader does, not a batch slice `dataset[:n]`."
+            )
         if not features:
             raise PackingValueError("`features` is empty: a batch needs at least one example.")
         packed = ["seq_lengths" in feature for feature in features]
@@ -184,9 +201,20 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
     if "input_ids" not in feature:
         raise PackingValueError(f"Feature {index} has no 'input_ids' (keys: {sorted(feature)}).")
     input_ids = _integers(feature["input_ids"], "input_ids", index)
+    if len(input_ids) and input_ids.min() < 0:
+        raise PackingValueError(
+            f"'input_ids' of feature {index} holds {int(input_ids.min())}: token ids index the embedding matrix and "
+            "must be >= 0. Keep -100 for 'labels'; pad with `pad_token_id`, which the collator adds itself."
+        )
     if feature.get("labels") is None:
         return input_ids, input_ids.copy()
     labels = _integers(feature["labels"], "labels", index)
+    wrong = (labels < 0) & (labels != IGNORE_INDEX)
+    if wrong.any():
+        raise PackingValueError(
+            f"'labels' of feature {index} holds {int(labels[wrong][0])}: a label is a token id (>= 0) or "
+            f"{IGNORE_INDEX} (not trained on); the loss would fail on anything else. Mask tokens with {IGNORE_INDEX}."
+        )
     if len(labels) != len(input_ids):
         raise PackingValueError(
             f"Feature {index} has {len(labels)} 'labels' but {len(input_ids)} 'input_ids'. Every token needs one "
@@ -211,6 +239,11 @@ def _integers(values, name: str, index: int) -> np.ndarray:
         raise PackingTypeError(
             f"{name!r} of feature {index} must be a flat list of integers, got dtype {array.dtype} and shape "
             f"{array.shape}."
+        )
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise PackingValueError(
+            f"{name!r} of feature {index} holds {int(array.max())}, beyond int64: not a token id. Check the "
+            "tokenization."
         )
     return array.astype(np.int64)
 
