@@ -35,7 +35,7 @@ def is_indexed_packed_mask(attention_mask: torch.Tensor | None) -> bool:
 
     ```
     """
-    if not _is_integer_2d(attention_mask):
+    if not _is_integer_2d(attention_mask) or attention_mask.numel() == 0:
         return False
     return bool(attention_mask.max() > 1)
 
@@ -92,6 +92,11 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
     ```
     """
+    if not isinstance(attention_mask, torch.Tensor):
+        raise PackingTypeError(
+            f"`attention_mask` must be a torch.Tensor of shape (batch_size, sequence_length), got "
+            f"{type(attention_mask).__name__}. Convert it first, e.g. `torch.tensor(mask)`."
+        )
     if attention_mask.dim() != 2:
         raise PackingTypeError(
             f"`attention_mask` must be 2-D (batch_size, sequence_length), got shape {tuple(attention_mask.shape)}. "
@@ -100,7 +105,13 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     cached = _last_unpad.get(attention_mask)
     if cached is not None:
         return cached
-    ids = attention_mask.detach().to("cpu", torch.int64).numpy()
+    host = attention_mask.detach().cpu()
+    if host.is_floating_point() and bool(((host != 0) & (host != 1)).any()):
+        raise PackingTypeError(
+            f"`attention_mask` is {host.dtype} with values other than 0 and 1 (max {host.max().item():g}): document "
+            "ids would be rounded. Pass the indexed mask as integers (`attention_mask.long()`)."
+        )
+    ids = host.to(torch.int64).numpy()
     if ids.max(initial=0) > 1:
         validate_document_ids(ids)
         flat = ids.reshape(-1)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import _compat
-from .errors import ContaminationError, UnsupportedSetupError
+from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
 
@@ -67,25 +67,50 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
 
     Raises:
         `UnsupportedSetupError`: the architecture or backend cannot be isolated (hybrid linear-attention layers, an
-            attention backend without a packed mask path, ...).
+            attention backend without a packed mask path, ...). Nothing is patched and the model keeps its backend.
         `IncompatibleTransformersError`: the installed transformers lacks an internal the hook needs.
+        `PackingTypeError`: `model_or_config` is neither a model nor a config.
     """
     from .architectures import require_supported
 
     _compat.check_transformers_internals()
     config = getattr(model_or_config, "config", model_or_config)
+    if not hasattr(config, "model_type"):
+        raise PackingTypeError(
+            f"`model_or_config` must be a transformers PreTrainedModel or PretrainedConfig, got "
+            f"{type(model_or_config).__name__} ({model_or_config!r:.80}). Pass the model you train: "
+            "`configure_packing(model)`."
+        )
+    previous_backend = getattr(config, "_attn_implementation", None)
     if attn_implementation is not None:
-        if hasattr(model_or_config, "set_attn_implementation"):
-            model_or_config.set_attn_implementation(attn_implementation)
-        else:
-            config._attn_implementation = attn_implementation
-    require_supported(config)
-    backend = getattr(config, "_attn_implementation", None)
-    if backend is not None:
-        _mask_route(backend, config)
+        _mask_route(attn_implementation, config)  # an unknown name is refused before anything is switched
+        _set_backend(model_or_config, config, attn_implementation)
+    try:
+        require_supported(config)
+        backend = getattr(config, "_attn_implementation", None)
+        if backend is not None:
+            _mask_route(backend, config)
+    except BaseException:
+        # A refused setup leaves the model on the backend it came with, not half-configured.
+        if attn_implementation is not None:
+            _set_backend(model_or_config, config, previous_backend)
+        raise
     _import_modeling_module(config)
     _patch_all()
     return model_or_config
+
+
+def _set_backend(model_or_config, config, backend: str) -> None:
+    if not hasattr(model_or_config, "set_attn_implementation"):
+        config._attn_implementation = backend
+        return
+    try:
+        model_or_config.set_attn_implementation(backend)
+    except (ValueError, ImportError) as error:  # transformers' own refusal: the kernel is missing or unsupported
+        raise UnsupportedSetupError(
+            f"`attn_implementation`={backend!r} cannot be used with model_type {config.model_type!r}: {error} "
+            "Pick a backend the model supports, e.g. `attn_implementation='sdpa'`."
+        ) from error
 
 
 def unconfigure_packing() -> None:
@@ -195,6 +220,7 @@ def _wrap_builder(original):
                 "indexed 2-D mask from DataCollatorWithPacking instead, or call `unconfigure_packing()`."
             )
         if not _is_integer_2d(attention_mask):
+            _refuse_float_document_ids(attention_mask)
             return original(*args, **kwargs)
         position_ids = arguments.get("position_ids")
         if not _check_documents(attention_mask, position_ids):
@@ -216,6 +242,19 @@ def _wrap_builder(original):
         return original(*bound.args, **bound.kwargs)
 
     return build_mask_with_documents
+
+
+def _refuse_float_document_ids(attention_mask) -> None:
+    """transformers casts a 2-D mask to bool, so a float mask holding document ids would merge the documents."""
+    if (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.is_floating_point()
+        and attention_mask.numel() and bool(attention_mask.max() > 1)
+    ):
+        raise PackingTypeError(
+            f"`attention_mask` is a {attention_mask.dtype} 2-D mask holding document ids up to "
+            f"{attention_mask.max().item():g}: transformers would cast it to bool and merge the documents. Pass the "
+            "indexed mask as integers (`attention_mask.long()`), as DataCollatorWithPacking emits it."
+        )
 
 
 def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
