@@ -9,6 +9,7 @@ import sys
 
 COMMANDS = {
     "train": ("llm_packing.train", "fine-tune with packed documents from a YAML recipe (--config recipes/X.yaml)"),
+    "stats": ("llm_packing.stats_command", "packing stats of each strategy for a dataset (--max_length 2048)"),
 }
 
 
