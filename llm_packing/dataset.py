@@ -185,7 +185,8 @@ class _Documents:
     """The flat token and label buffers of one split, and the pieces of them that get packed."""
 
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
-        table = dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table
+        # With no rows, `data.table` may still hold every row behind an indices mapping (`filter`, `select([])`).
+        table = dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0)
         if "input_ids" not in table.column_names:
             raise PackingValueError(
                 f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
