@@ -124,12 +124,17 @@ def parse_args(argv: list[str] | None = None):
             is not a mapping, or a combination this entry point cannot train.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--config=path` as `--config path`, the only form TrlParser reads.
+    argv = [part for token in argv for part in (token.split("=", 1) if token.startswith("--config=") else [token])]
     parser = make_parser()
     valid_keys = sorted({action.dest for action in parser._actions} - {"help"})
-    if "--config" in argv:
-        path = argv[argv.index("--config") + 1]
+    path = _config_path(argv)
+    if path is not None:
         with open(path, encoding="utf-8") as file:
-            recipe = yaml.safe_load(file)  # plain data only: no tags that construct Python objects
+            try:
+                recipe = yaml.safe_load(file)  # plain data only: no tags that construct Python objects
+            except yaml.YAMLError as error:
+                raise PackingValueError(f"The recipe {path!r} is not valid YAML: {error}") from None
         if not isinstance(recipe, dict):
             raise PackingValueError(f"The recipe {path!r} must be a YAML mapping of `key: value`, got {recipe!r}.")
         for key in recipe:
@@ -145,6 +150,15 @@ def parse_args(argv: list[str] | None = None):
     training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
     training_args.remove_unused_columns = False  # the collator needs `seq_lengths`
     return script_args, training_args, model_args, packing_args
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config":
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise PackingValueError("`--config` needs a recipe path, e.g. `--config recipes/tiny-cpu.yaml`.")
+            return argv[i + 1]
+    return None
 
 
 def _did_you_mean(key: str, valid_keys: list[str]) -> str:
