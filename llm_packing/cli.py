@@ -6,6 +6,8 @@ Each command is a module with a `main(argv)` function, imported only when run (t
 import importlib
 import sys
 
+from .errors import PackingError
+
 
 COMMANDS = {
     "train": ("llm_packing.train", "fine-tune with packed documents from a YAML recipe (--config recipes/X.yaml)"),
@@ -24,7 +26,11 @@ def main(argv: list[str] | None = None):
             return 2
         return 0 if argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    module.main(argv[1:])
+    try:
+        module.main(argv[1:])
+    except PackingError as error:  # a user mistake: the message says what to fix, a traceback would bury it
+        print(f"llm-packing {argv[0]}: error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -200,3 +200,12 @@ def test_examples_run(tmp_path, script, steps_flag):
         assert "isolation verified" in output and "step 2: loss" in output
     else:
         assert "TrainOutput(global_step=2" in output
+
+
+def test_console_script_prints_errors_without_traceback(tmp_path, capsys):
+    from llm_packing import cli
+
+    assert cli.main(["train", "--config", write_recipe(tmp_path, packing_strategy="best")]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("llm-packing train: error: PackingValueError: `packing_strategy` must be one of")
+    assert "Traceback" not in error
