@@ -1,0 +1,25 @@
+"""The supported transformers range is declared once: the package metadata and the hook's version check agree."""
+
+import configparser
+import os
+import re
+
+from packaging.version import Version
+
+from llm_packing import _compat
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_metadata_minimum_is_the_hooks_minimum():
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    minimum = re.search(r"transformers>=([0-9.]+)", config["options"]["install_requires"]).group(1)
+    assert Version(minimum) == Version(_compat.MIN_TRANSFORMERS_VERSION)
+    assert Version(_compat.MIN_TRANSFORMERS_VERSION) <= Version(_compat.MAX_TESTED_TRANSFORMERS_VERSION)
+
+
+def test_installed_transformers_is_inside_the_tested_range():
+    # The parity matrix in this run proves the installed version; outside the range, widen it only after it passes.
+    assert Version(_compat.MIN_TRANSFORMERS_VERSION) <= _compat.TRANSFORMERS_VERSION
