@@ -11,6 +11,7 @@ outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, `conf
 `DataCollatorWithPacking`, TRL's `SFTTrainer` (its own packing and dataset preparation off), train, save.
 """
 
+import contextlib
 import difflib
 import json
 import logging
@@ -27,7 +28,7 @@ from .config import PackingArguments
 from .dataset import pack_dataset
 from .documents import load_documents, load_tokenizer, tokenize_documents
 from .errors import PackingValueError, UnsupportedSetupError
-from .patch import configure_packing, unconfigure_packing
+from .patch import packing_configured
 from .verify import verify_packing
 
 
@@ -215,18 +216,18 @@ def train(script_args, training_args, model_args, packing_args):
         rows, stats = pack_dataset(documents, training_args.max_length, strategy=packing_args.packing_strategy,
                                    seed=packing_args.packing_seed, overflow=packing_args.overflow,
                                    max_docs_per_bin=max_docs_per_bin, return_stats=True)
-    layout = "padding-free" if packing_args.padding_free else "indexed mask" if packing_args.block_diag_attn else "unpacked"
+    layout = ("padding-free" if packing_args.padding_free
+              else "indexed mask" if packing_args.block_diag_attn else "unpacked")
     logger.info("%s attention backend %r; layout %s; %d documents in %d rows: %s", rank,
                 model.config._attn_implementation, layout, len(documents), len(rows), stats)
-    try:
-        if packing_args.block_diag_attn:
-            configure_packing(model)
-            if packing_args.verify_packing:
-                difference = verify_packing(model)
-                logger.info("%s isolation verified: packed logits equal per-document logits (max abs diff %.2g)",
-                            rank, difference)
-            else:
-                logger.info("%s isolation not verified (`verify_packing: false`)", rank)
+    # Unhooked on exit, unless the caller had configured packing already.
+    with packing_configured(model) if packing_args.block_diag_attn else contextlib.nullcontext():
+        if packing_args.block_diag_attn and packing_args.verify_packing:
+            difference = verify_packing(model)
+            logger.info("%s isolation verified: packed logits equal per-document logits (max abs diff %.2g)",
+                        rank, difference)
+        elif packing_args.block_diag_attn:
+            logger.info("%s isolation not verified (`verify_packing: false`)", rank)
         collator = DataCollatorWithPacking(pad_token_id=tokenizer.pad_token_id, max_length=training_args.max_length,
                                            pad_to_multiple_of=training_args.pad_to_multiple_of,
                                            padding_free=packing_args.padding_free)
@@ -239,8 +240,6 @@ def train(script_args, training_args, model_args, packing_args):
         logger.info("%s trained on %d batches in %d optimizer steps; final loss %.4f", rank, counter.batches,
                     trainer.state.global_step, result.training_loss)
         trainer.save_model(training_args.output_dir)
-    finally:
-        unconfigure_packing()
     return result
 
 
