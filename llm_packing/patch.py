@@ -282,21 +282,29 @@ def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | 
 
 
 def _mask_route(backend: str, config) -> str:
-    """"flash" for backends that unpad with `_get_unpad_data`; "dense" (sdpa, eager) and "flex" for those whose mask
-    transformers builds from per-document positions; anything else cannot be isolated."""
+    """"flash" for backends that run transformers' FlashAttention integration, which unpads with `_get_unpad_data`
+    (flash_attention_2/3/4 and hub FlashAttention kernels); "dense" (sdpa, eager) and "flex" for those whose mask
+    transformers builds from per-document positions. Anything else cannot be isolated, including a hub kernel that
+    registers one of these masks with an attention function of its own (MiniMaxAI/msa ignores the mask)."""
     from transformers import masking_utils
+    from transformers.integrations import flash_attention, flex_attention, sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    routes = {
+        (masking_utils.flash_attention_mask, flash_attention.flash_attention_forward): "flash",
+        (masking_utils.sdpa_mask, sdpa_attention.sdpa_attention_forward): "dense",
+        (masking_utils.eager_mask, None): "dense",  # eager is each model's own function, not a registered one
+        (masking_utils.flex_attention_mask, flex_attention.flex_attention_forward): "flex",
+    }
     mask_function = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(backend)
-    if mask_function is masking_utils.flash_attention_mask:
-        return "flash"
-    if mask_function in (masking_utils.sdpa_mask, masking_utils.eager_mask):
-        return "dense"
-    if mask_function is masking_utils.flex_attention_mask:
-        return "flex"
+    route = routes.get((mask_function, ALL_ATTENTION_FUNCTIONS._global_mapping.get(backend)))
+    if route is not None:
+        return route
     raise UnsupportedSetupError(
         f"Attention backend {backend!r} (model_type {getattr(config, 'model_type', '?')!r}) has no mask path that "
-        "llm_packing can make per-document. Use one of 'eager', 'sdpa', 'flex_attention', 'flash_attention_2', "
-        "'flash_attention_3', 'flash_attention_4', e.g. `configure_packing(model, attn_implementation='sdpa')`."
+        "llm_packing can make per-document (only transformers' own eager, sdpa, flex and FlashAttention functions "
+        "honour it). Use one of 'eager', 'sdpa', 'flex_attention', 'flash_attention_2', 'flash_attention_3', "
+        "'flash_attention_4', e.g. `configure_packing(model, attn_implementation='sdpa')`."
     )
 
 

@@ -1,46 +1,118 @@
-"""The FlashAttention path, driven through transformers' real code with a pure-torch reference kernel.
+"""The FlashAttention path of every supported architecture, driven through transformers' real code with a pure-torch
+reference kernel.
 
-FlashAttention cannot run on these CPU machines, so the tests inject a small reference implementation of
-`flash_attn_varlen_func` / `flash_attn_func` where transformers' `lazy_import_flash_attention` keeps the loaded
-kernel. Everything else (the attention integration, `_flash_attention_forward`, `_upad_input`, `_get_unpad_data`,
-re-padding) is transformers' own code, so the tests see exactly which `cu_seqlens` a real kernel would get.
+FlashAttention cannot run on these CPU machines, so the tests tell transformers that flash-attn is installed and hand
+it a small reference implementation of `flash_attn_varlen_func` / `flash_attn_func` whichever FlashAttention kernel it
+loads (flash_attn, flash_attn_interface or a hub kernel). Everything else (the choice of attention classes and kernels
+when the model is built, the attention integration, `_flash_attention_forward`, `_upad_input`, `_get_unpad_data`,
+re-padding) is transformers' own code, so the tests see exactly which `cu_seqlens` and options a real kernel would get.
+
+The reference does what the real kernels do for these models: GQA, causal masks, inclusive `window_size`, tanh
+`softcap`, attention sinks (`s_aux`, as vllm-flash-attn3 takes them; transformers picks such a kernel for the
+architectures with sinks) and dropout 0. That it leaves nothing out is checked per architecture: each document run
+alone through it gives the logits of eager attention (`FLASH_DIFFERS_FROM_EAGER` lists where transformers' own FA path
+departs from eager, packed or not).
 """
+
+import itertools
+import sys
 
 import pytest
 import torch
 from tiny_models import packed_batch, tiny_model
+from transformers import masking_utils, modeling_utils
 from transformers import modeling_flash_attention_utils as flash_utils
+from transformers.integrations import flash_attention, hub_kernels, msa_attention
 
+from llm_packing.architectures import FLASH_BACKENDS, REFUSED_BACKENDS, backend_available, supported_model_types
+from llm_packing.errors import UnsupportedSetupError
 from llm_packing.patch import packing_configured
 
 
-def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+TOLERANCE = 1e-5
+# flash_attention_3 differs from flash_attention_2 only in the kernel transformers loads (asserted by
+# `test_flash_attention_3_takes_the_flash_attention_2_path`), so it runs for a sample: plain, sliding windows,
+# softcap, attention sinks, and falcon's own FlashAttention class.
+FLASH_ATTENTION_3_SAMPLE = ("llama", "qwen2", "gemma2", "gpt_oss", "falcon")
+FLASH_MATRIX = [(model_type, "flash_attention_2") for model_type in supported_model_types()] + [
+    (model_type, "flash_attention_3") for model_type in FLASH_ATTENTION_3_SAMPLE
+]
+# transformers refuses FlashAttention while `prefix_lm=True` (it cannot express the PrefixLM mask overlay); the FA
+# cell covers the configs that can use it.
+FLASH_OVERRIDES = {"hrm_text": {"prefix_lm": False}}
+# Architectures whose FlashAttention path differs from their eager attention inside transformers, packed or not:
+# the packed batch still equals the documents run alone on FlashAttention, which is what packing promises.
+FLASH_DIFFERS_FROM_EAGER = {
+    "qwen2_moe": "Qwen2MoeAttention keeps `sliding_window` but never passes it to the attention function, so "
+    "FlashAttention attends the whole document where eager/sdpa/flex apply the window",
+}
+# Hub kernels that transformers puts in FlashAttention's place for some architectures but that are not FlashAttention.
+BLOCK_SPARSE_HUB_KERNELS = ("MiniMaxAI/msa",)
+# Where transformers keeps the FlashAttention kernel it loaded; cleared so that each test loads the reference.
+_LOADED_KERNEL = (
+    "_loaded_implementation",
+    "_flash_fn",
+    "_flash_varlen_fn",
+    "_flash_with_kvcache_fn",
+    "_pad_fn",
+    "_unpad_fn",
+)
+# Documents (5, 1, 7, 3) + 2 pad tokens, then (9, 2, 1, 6): one segment per document, in flattened order.
+PER_DOCUMENT_CU_SEQLENS = [0, 5, 6, 13, 16, 25, 27, 28, 34]
+
+
+def reference_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    s_aux=None,
+):
     """`flash_attn_varlen_func` in plain torch: q `[total, heads, dim]`, k/v `[total, kv_heads, dim]`, one segment
-    per `cu_seqlens` entry, bottom-right aligned causal mask, inclusive `(left, right)` window, tanh softcap."""
+    per `cu_seqlens` entry."""
     reference_varlen.calls.append(cu_seqlens_q.tolist())
     assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    outputs = []
-    for start, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
-        outputs.append(_attend(q[start:end], k[start:end], v[start:end], scale, causal, window_size, softcap))
-    return torch.cat(outputs)
+    # A real kernel sizes its work by max_seqlen: smaller than the longest segment would be wrong, not just slow.
+    assert max_seqlen_q == max_seqlen_k == int(cu_seqlens_q.diff().max())
+    options = softmax_scale, causal, window_size, softcap, dropout_p, s_aux
+    bounds = itertools.pairwise(cu_seqlens_q.tolist())
+    return torch.cat([_attend(q[start:end], k[start:end], v[start:end], *options) for start, end in bounds])
 
 
-def reference_dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    deterministic=False):
+def reference_dense(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    s_aux=None,
+):
     """`flash_attn_func` in plain torch: q/k/v `[batch, length, heads, dim]`."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return torch.stack([_attend(*row, scale, causal, window_size, softcap) for row in zip(q, k, v)])
+    reference_dense.calls += 1
+    options = softmax_scale, causal, window_size, softcap, dropout_p, s_aux
+    return torch.stack([_attend(*row, *options) for row in zip(q, k, v, strict=True)])
 
 
-reference_varlen.calls = []
-
-
-def _attend(q, k, v, scale, causal, window_size, softcap):
+def _attend(q, k, v, scale, causal, window_size, softcap, dropout_p, s_aux):
+    """One sequence: bottom-right aligned causal mask, inclusive `(left, right)` window, GQA by head groups, tanh
+    softcap, and a per-head sink logit that takes probability mass without a value."""
+    assert dropout_p == 0.0, "the models run in eval mode"
     heads = q.shape[1]
     k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = torch.einsum("qhd,khd->hqk", q, k) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     query_index = torch.arange(q.shape[0])[:, None] + (k.shape[0] - q.shape[0])
@@ -53,28 +125,66 @@ def _attend(q, k, v, scale, causal, window_size, softcap):
         allowed &= key_index >= query_index - left
     if right >= 0:
         allowed &= key_index <= query_index + right
-    probabilities = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if s_aux is None:
+        probabilities = scores.softmax(-1)
+    else:
+        sinks = s_aux.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probabilities = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probabilities, v)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, which only wait on each other on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
-def reference_flash_kernel(monkeypatch):
-    """Install the reference kernel as the loaded `flash_attention_2` implementation, for this test only."""
-    monkeypatch.setattr(flash_utils, "_loaded_implementation", "flash_attention_2")
-    monkeypatch.setattr(flash_utils, "_flash_fn", reference_dense)
-    monkeypatch.setattr(flash_utils, "_flash_varlen_fn", reference_varlen)
-    monkeypatch.setattr(flash_utils, "_pad_fn", flash_utils._pad_input)
-    monkeypatch.setattr(flash_utils, "_unpad_fn", flash_utils._unpad_input)
-    monkeypatch.setattr(flash_utils, "_process_flash_kwargs_fn", flash_utils._lazy_define_process_function(reference_varlen))
-    monkeypatch.setattr(reference_varlen, "calls", [])
-    return reference_varlen
+def flash_model(monkeypatch):
+    """A tiny-model builder for which transformers loads the reference kernel as every FlashAttention
+    implementation, for this test only."""
 
+    def load_reference(implementation, attention_wrapper=None, allow_all_kernels=False):
+        if hub_kernels.is_kernel(implementation):
+            # What `load_and_register_attn_kernel` registers for the hub kernels transformers names: FlashAttention
+            # kernels behind its FA integration, the block-sparse MSA kernel behind its own function and sdpa masks.
+            if implementation in flash_utils.FLASH_ATTN_KERNEL_VERSIONS:
+                attention = attention_wrapper or flash_attention.flash_attention_forward
+                mask = masking_utils.flash_attention_mask
+            elif implementation in BLOCK_SPARSE_HUB_KERNELS:
+                attention, mask = msa_attention.msa_attention_forward, masking_utils.sdpa_mask
+            else:
+                raise ValueError(f"offline: this test knows no hub kernel {implementation!r}")
+            monkeypatch.setitem(modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping, implementation, attention)
+            monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, implementation, mask)
+        return reference_dense, reference_varlen, None, flash_utils._pad_input, flash_utils._unpad_input
 
-def _flash_model(model_type):
-    model = tiny_model(model_type, "eager")
-    # Building with "flash_attention_2" would check that the flash-attn package is installed; the kernel is ours.
-    model.config._attn_implementation = "flash_attention_2"
-    return model
+    for name in (*_LOADED_KERNEL, "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"):
+        monkeypatch.setattr(flash_utils, name, None)
+    monkeypatch.setattr(flash_utils, "_lazy_imports", load_reference)
+    # The model-building checks: flash-attn counts as installed (so no hub-kernel fallback is tried), with no import
+    # error; whether the architecture supports FlashAttention at all is still transformers' own check.
+    for version in flash_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX.values():
+        monkeypatch.setitem(version, "general_availability_check", lambda **_: True)
+    monkeypatch.setattr(modeling_utils.PreTrainedModel, "_flash_attn_import_error", lambda self, **_: None)
+    # Real kernels take half precision, so transformers looks up the dtype of the module's first nn.Linear to cast
+    # float32 queries to; here that cast is float32 -> float32, and GPT-2's Conv1D layers hold no nn.Linear at all.
+    monkeypatch.setattr(flash_attention, "get_target_dtype", lambda query, module: None)
+    monkeypatch.setattr(reference_varlen, "calls", [], raising=False)
+    monkeypatch.setattr(reference_dense, "calls", 0, raising=False)
+
+    def build(model_type, backend, **overrides):
+        model = tiny_model(model_type, backend, **overrides)
+        # Modules that import `_flash_attention_forward` only when flash-attn is installed (falcon) get it bound.
+        module = sys.modules[type(model).__module__]
+        monkeypatch.setattr(module, "_flash_attention_forward", flash_utils._flash_attention_forward, raising=False)
+        return model
+
+    return build
 
 
 def _separate_logits(model, batch):
@@ -90,40 +200,99 @@ def _separate_logits(model, batch):
         }
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
-def test_flash_path_sees_per_document_cu_seqlens_and_matches_separate_documents(reference_flash_kernel, model_type):
-    model = _flash_model(model_type)
-    batch = packed_batch()
-    expected = _separate_logits(model, batch)
-    reference_flash_kernel.calls.clear()
-    with packing_configured(model), torch.no_grad():
-        logits = model(
+def _packed_logits(model, batch):
+    with torch.no_grad():
+        return model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch["position_ids"],
             use_cache=False,
         ).logits
-    # Documents (5, 1, 7, 3) + 2 pad tokens, then (9, 2, 1, 6): one segment per document, in flattened order.
-    assert reference_flash_kernel.calls == [[0, 5, 6, 13, 16, 25, 27, 28, 34]] * model.config.num_hidden_layers
-    for (row, start), reference in expected.items():
-        packed = logits[row, start : start + reference.shape[0]]
-        assert (packed - reference).abs().max().item() <= 1e-5, (model_type, row, start)
 
 
-def test_flash_path_without_packing_merges_documents(reference_flash_kernel):
+def _max_difference(logits, separate):
+    return max(
+        (logits[row, start : start + len(expected)] - expected).abs().max().item()
+        for (row, start), expected in separate.items()
+    )
+
+
+def test_flash_attention_3_takes_the_flash_attention_2_path():
+    """Same attention function and mask function: only the kernel differs, so FA3 needs no full sweep of its own."""
+    attention = modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping
+    masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    assert attention["flash_attention_3"] is attention["flash_attention_2"] is flash_attention.flash_attention_forward
+    assert masks["flash_attention_3"] is masks["flash_attention_2"] is masking_utils.flash_attention_mask
+    assert set(FLASH_BACKENDS) == {"flash_attention_2", "flash_attention_3"}
+
+
+@pytest.mark.parametrize(("model_type", "backend"), FLASH_MATRIX)
+def test_packed_flash_path_equals_separate_documents(flash_model, model_type, backend):
+    overrides = FLASH_OVERRIDES.get(model_type, {})
+    if not backend_available(model_type, backend):
+        _assert_no_flash_attention(flash_model, model_type, backend)
+        return
+    model = flash_model(model_type, backend, **overrides)
+    if (model_type, backend) in REFUSED_BACKENDS:
+        with pytest.raises(UnsupportedSetupError, match=model_type), packing_configured(model):
+            pass
+        return
+    _assert_packed_equals_separate(model, model_type, **overrides)
+
+
+def test_hub_flash_kernel_takes_the_same_path(flash_model, monkeypatch):
+    """Without flash-attn but with `kernels` installed, transformers serves "flash_attention_2" from a hub kernel
+    behind the same integration: the hook accepts it and stays exact."""
+    flash_attention_2 = flash_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]
+    monkeypatch.setitem(flash_attention_2, "general_availability_check", lambda: False)
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda: True)
+    model = flash_model("llama", "flash_attention_2")
+    assert model.config._attn_implementation == "kernels-community/flash-attn2"
+    _assert_packed_equals_separate(model, "llama")
+
+
+def _assert_packed_equals_separate(model, model_type, **overrides):
+    batch = packed_batch()
+    separate = _separate_logits(model, batch)
+    assert reference_dense.calls > 0 and not reference_varlen.calls, "documents alone must take the FA path"
+
+    eager = _separate_logits(tiny_model(model_type, "eager", **overrides), batch)
+    eager_difference = max((separate[key] - eager[key]).abs().max().item() for key in separate)
+    if model_type in FLASH_DIFFERS_FROM_EAGER:
+        assert eager_difference > 1e-3, f"transformers fixed {model_type}: drop it from FLASH_DIFFERS_FROM_EAGER"
+    else:
+        assert eager_difference <= TOLERANCE, (model_type, "reference kernel differs from eager", eager_difference)
+
+    with packing_configured(model):
+        logits = _packed_logits(model, batch)
+    calls = reference_varlen.calls
+    assert calls and all(cu_seqlens == PER_DOCUMENT_CU_SEQLENS for cu_seqlens in calls), (model_type, calls)
+    difference = _max_difference(logits, separate)
+    assert difference <= TOLERANCE, (model_type, model.config._attn_implementation, difference)
+
+
+def _assert_no_flash_attention(build, model_type, backend):
+    """transformers offers no FlashAttention for this architecture: it refuses to build the model, or builds it on a
+    kernel of the model's own choosing (`_compatible_flash_implementations`: minimax_m3_vl_text's block-sparse MSA,
+    which ignores the attention mask), which the hook must refuse."""
+    try:
+        model = build(model_type, backend)
+    except ValueError as error:
+        assert "does not support Flash Attention" in str(error)
+        return
+    substitute = model.config._attn_implementation
+    assert substitute != backend
+    with pytest.raises(UnsupportedSetupError, match=f"'{substitute}'"), packing_configured(model):
+        pass
+
+
+def test_flash_path_without_packing_merges_documents(flash_model):
     """Negative control: unpatched, transformers booleanises the indexed mask and FlashAttention sees one segment
     per row, so later documents attend to earlier ones."""
-    model = _flash_model("llama")
+    model = flash_model("llama", "flash_attention_2")
     batch = packed_batch()
-    expected = _separate_logits(model, batch)
-    reference_flash_kernel.calls.clear()
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).logits
-    assert reference_flash_kernel.calls == [[0, 16, 34]] * model.config.num_hidden_layers
+    separate = _separate_logits(model, batch)
+    logits = _packed_logits(model, batch)
+    assert reference_varlen.calls == [[0, 16, 34]] * model.config.num_hidden_layers
     start, length = batch["documents"][1][3]
-    assert (logits[1, start : start + length] - expected[(1, start)]).abs().max().item() > 1e-3
+    assert (logits[1, start : start + length] - separate[(1, start)]).abs().max().item() > 1e-3
