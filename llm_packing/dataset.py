@@ -230,12 +230,13 @@ class _Documents:
                 tokens = slice(doc_start[first], doc_start[last])
                 size = tokens.stop - tokens.start
                 segment_aranges(sources[first:last], lengths[first:last], out=gather[:size])
-                np.take(self.input_ids, gather[:size], out=columns["input_ids"][tokens])
+                # The indices are in range by construction: "clip" skips the per-index check "raise" makes (~30%).
+                np.take(self.input_ids, gather[:size], out=columns["input_ids"][tokens], mode="clip")
                 # Without a labels or mask column the labels are the tokens: a copy is cheaper than a second gather.
                 if self.labels is None:
                     columns["labels"][tokens] = columns["input_ids"][tokens]
                 else:
-                    np.take(self.labels, gather[:size], out=columns["labels"][tokens])
+                    np.take(self.labels, gather[:size], out=columns["labels"][tokens], mode="clip")
                 segment_aranges(np.zeros(1, np.int32), lengths[first:last], out=columns["position_ids"][tokens])
                 progress.update(size)
         columns["labels"][doc_start[:-1]] = IGNORE_INDEX
@@ -294,7 +295,9 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
             f"Column {name!r} has {column_lengths[row]} values in row {row}, but 'input_ids' has {lengths[row]}. "
             f"Every token needs exactly one {name!r} entry; fix that row's preprocessing."
         )
-    values = pc.list_flatten(column).combine_chunks()
+    values = pc.list_flatten(column)
+    # combine_chunks copies even a single chunk: 1.6 GB more to allocate and write at 400M tokens.
+    values = values.chunk(0) if values.num_chunks == 1 else values.combine_chunks()
     if values.null_count:
         raise PackingValueError(
             f"Column {name!r} holds {values.null_count} null values inside its lists. Every token needs an integer."
