@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None):
 
 def train(script_args, training_args, model_args, packing_args):
     """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
-    _setup_logging(training_args)
+    _setup_logging()
     rank = f"[rank {training_args.process_index}/{training_args.world_size}]"
     set_seed(training_args.seed)  # a randomly initialised model is the same on every rank and every run
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
@@ -263,7 +263,7 @@ def load_model(script_args, model_args, training_args, tokenizer):
     return model
 
 
-def _setup_logging(training_args) -> None:
+def _setup_logging() -> None:
     package_logger = logging.getLogger("llm_packing")
     if not package_logger.handlers:
         handler = logging.StreamHandler()
