@@ -67,11 +67,13 @@ def _max_differences(model, batch, **packed_inputs):
 
 
 @pytest.fixture
-def static_flex_compile(monkeypatch):
+def static_flex_compile():
     # Compiled flex_attention on CPU fails to build its C++ kernel once dynamo recompiles with dynamic shapes
     # (CppCompileError in torch 2.13's flex template); static shapes compile, and past the recompile limit the
-    # same mask runs uncompiled.
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    # same mask runs uncompiled. torch's own `patch`, not monkeypatch: newer pytest undoes a module attribute it did
+    # not find in the module's __dict__ by deleting it, which removes the setting from torch's config module.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
 
 
 @pytest.mark.parametrize(("model_type", "backend"), MATRIX)
