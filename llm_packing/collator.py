@@ -17,7 +17,7 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from .binpack import pack_sequences
-from .dataset import IGNORE_INDEX, segment_aranges
+from .dataset import IGNORE_INDEX, invalid_label_error, segment_aranges
 from .errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
 
 
@@ -211,10 +211,7 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
     labels = _integers(feature["labels"], "labels", index)
     wrong = (labels < 0) & (labels != IGNORE_INDEX)
     if wrong.any():
-        raise PackingValueError(
-            f"'labels' of feature {index} holds {int(labels[wrong][0])}: a label is a token id (>= 0) or "
-            f"{IGNORE_INDEX} (not trained on); the loss would fail on anything else. Mask tokens with {IGNORE_INDEX}."
-        )
+        raise invalid_label_error(f"'labels' of feature {index}", int(labels[wrong][0]))
     if len(labels) != len(input_ids):
         raise PackingValueError(
             f"Feature {index} has {len(labels)} 'labels' but {len(input_ids)} 'input_ids'. Every token needs one "

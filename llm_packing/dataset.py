@@ -315,10 +315,7 @@ def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tupl
     if low < 0 and len(values) and values.min() < 0 and (wrong := (values < 0) & (values != IGNORE_INDEX)).any():
         first = int(np.argmax(wrong))
         row = int(np.searchsorted(np.cumsum(column_lengths), first, side="right"))
-        raise PackingValueError(
-            f"Column {name!r} holds {int(values[first])} in row {row}: a label is a token id (>= 0) or {IGNORE_INDEX} "
-            f"(not trained on); the loss would fail on anything else. Mask tokens with {IGNORE_INDEX}."
-        )
+        raise invalid_label_error(f"Column {name!r} in row {row}", int(values[first]))
     return column_lengths, values.astype(np.int32, copy=False)
 
 
@@ -332,6 +329,14 @@ def _labels(table: pa.Table, lengths: np.ndarray, input_ids: np.ndarray) -> np.n
         if name in names:
             labels[_flat_column(table, name, lengths)[1] == 0] = IGNORE_INDEX
     return labels
+
+
+def invalid_label_error(where: str, value: int) -> PackingValueError:
+    """The error for a label that is neither a token id nor `IGNORE_INDEX`; `where` names the example."""
+    return PackingValueError(
+        f"{where} holds {value}: a label is a token id (>= 0) or {IGNORE_INDEX} (not trained on); the loss would "
+        f"fail on anything else. Mask tokens with {IGNORE_INDEX}."
+    )
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
