@@ -222,6 +222,13 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
 
 def _seq_lengths(feature: dict[str, Any], num_tokens: int, index: int) -> np.ndarray:
     seq_lengths = _integers(feature["seq_lengths"], "seq_lengths", index)
+    if len(seq_lengths) and seq_lengths.min() > 0 and seq_lengths.sum() > num_tokens:
+        raise PackingValueError(
+            f"Feature {index} has {num_tokens} 'input_ids' but `seq_lengths` summing to {seq_lengths.sum()}: the row "
+            "was cut after packing, as trl.SFTTrainer does to rows longer than `SFTConfig.max_length` when it "
+            "prepares the dataset. Train with `llm_packing.PackedSFTTrainer`, or pass "
+            "`dataset_kwargs={'skip_prepare_dataset': True}` to the SFTConfig."
+        )
     if len(seq_lengths) == 0 or seq_lengths.min() <= 0 or seq_lengths.sum() != num_tokens:
         raise PackingValueError(
             f"Feature {index} has `seq_lengths`={seq_lengths.tolist()!r}, which must be positive and sum to its "

@@ -18,6 +18,7 @@ from datasets.utils.tqdm import tqdm
 from .binpack import pack_sequences, seed_from_components
 from .errors import PackingError, PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from .packed_metadata import record_packing
 
 
 logger = logging.getLogger(__name__)
@@ -103,11 +104,13 @@ def pack_dataset(
         from .streaming import pack_iterable_dataset
 
         if isinstance(dataset, datasets.IterableDatasetDict):
-            return datasets.IterableDatasetDict(
+            return record_packing(datasets.IterableDatasetDict(
                 {split: pack_iterable_dataset(ds, max_length, overflow=overflow, buffer_size=buffer_size, **options)
                  for split, ds in dataset.items()}
-            )
-        return pack_iterable_dataset(dataset, max_length, overflow=overflow, buffer_size=buffer_size, **options)
+            ), max_length)
+        return record_packing(
+            pack_iterable_dataset(dataset, max_length, overflow=overflow, buffer_size=buffer_size, **options), max_length
+        )
     if isinstance(dataset, datasets.DatasetDict):
         packed = {}
         for split, ds in dataset.items():
@@ -116,6 +119,7 @@ def pack_dataset(
             except PackingError as error:  # same type, so `except SequenceTooLongError` still works
                 raise type(error)(f"Split {split!r}: {error}") from error
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
+        record_packing(result, max_length)
         return (result, {split: stats for split, (_, stats) in packed.items()}) if return_stats else result
     if not isinstance(dataset, datasets.Dataset):
         raise PackingTypeError(
@@ -123,6 +127,7 @@ def pack_dataset(
             f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
         )
     packed, stats = _Documents(dataset, max_length, overflow).pack(**options)
+    record_packing(packed, max_length)
     return (packed, stats) if return_stats else packed
 
 
@@ -178,7 +183,7 @@ class PackedDatasetEpochs:
     def repack(self, epoch: int) -> datasets.Dataset:
         """The packed dataset for `epoch`; its stats are in `self.stats` afterwards."""
         packed, self.stats = self._documents.pack(seed=seed_from_components(self._seed, epoch), **self._options)
-        return packed
+        return record_packing(packed, self._documents.max_length)
 
 
 class _Documents:

@@ -266,6 +266,8 @@ def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | 
     host = stacked.cpu().numpy()
     ids = host[0] if checks_positions else host
     if ids.max(initial=0) <= 1:
+        if checks_positions:
+            _refuse_restarting_positions(ids, host[1])
         return False
     validate_document_ids(ids)
     if checks_positions:
@@ -279,6 +281,21 @@ def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | 
                 "Pass the `position_ids` that DataCollatorWithPacking emits."
             )
     return True
+
+
+def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> None:
+    """A 0/1 mask lets every token of a row attend to all before it: `position_ids` restarting inside the row mean
+    packed documents attending to each other (TRL's `return_position_ids=True` collator on packed rows)."""
+    restarts = (mask[:, 1:] > 0) & (mask[:, :-1] > 0) & (positions[:, 1:] <= positions[:, :-1])
+    if restarts.any():
+        row, col = map(int, np.argwhere(restarts)[0] + [0, 1])
+        raise ContaminationError(
+            f"`position_ids` restart inside a row whose `attention_mask` is 0/1 (row {row}, token {col}: position "
+            f"{int(positions[row, col])} after {int(positions[row, col - 1])}), so packed documents would attend to "
+            "each other. TRL's collator sends this with `return_position_ids=True`. Train with "
+            "`llm_packing.PackedSFTTrainer`, or collate with `DataCollatorWithPacking` (indexed mask) or TRL's "
+            "`padding_free=True` (no mask)."
+        )
 
 
 def _mask_route(backend: str, config) -> str:

@@ -1,0 +1,296 @@
+"""The design card's line with TRL: stock `SFTTrainer` on `pack_dataset` rows (what it cuts and mixes, what the hook
+refuses), `PackedSFTTrainer` (exact: no row cut, documents isolated, same first-step loss as unpacked), and every
+setting that `PackedSFTTrainer` refuses, with its message."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset, load_from_disk
+from transformers import AutoModelForCausalLM, LlamaConfig
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from llm_packing import (
+    ContaminationError,
+    DataCollatorWithPacking,
+    PackedSFTTrainer,
+    PackingTypeError,
+    PackingValueError,
+    configure_packing,
+    pack_dataset,
+    unconfigure_packing,
+)
+from llm_packing.demo_data import load_demo_tokenizer
+from llm_packing.packed_metadata import packed_max_length
+
+
+TINY = dict(vocab_size=32_000, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1)
+LENGTHS = [5, 9, 14, 3, 21, 7, 11, 2, 17, 6]  # 95 tokens; rows of 32 hold several documents each
+MAX_LENGTH = 32
+QUIET = dict(report_to="none", use_cpu=True, bf16=False, activation_checkpointing=False, save_strategy="no", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def unhooked():
+    yield
+    unconfigure_packing()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_demo_tokenizer()
+
+
+def documents(lengths=LENGTHS, seed=0) -> Dataset:
+    rng = np.random.default_rng(seed)
+    input_ids = [rng.integers(10, TINY["vocab_size"], n).tolist() for n in lengths]
+    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(lengths, input_ids)]
+    return Dataset.from_dict({"input_ids": input_ids, "labels": labels})
+
+
+def tiny_model(attn_implementation="sdpa"):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation=attn_implementation)
+
+
+def first_batch(trainer) -> dict:
+    return next(iter(trainer.get_train_dataloader()))
+
+
+class LossRecording:
+    """Keeps the loss of every training step (the logged one is rounded)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.losses.append(loss.item())
+        return loss
+
+
+class LossRecordingSFTTrainer(LossRecording, SFTTrainer):
+    pass
+
+
+class LossRecordingPackedSFTTrainer(LossRecording, PackedSFTTrainer):
+    pass
+
+
+def first_step_loss(trainer) -> float:
+    trainer.losses = []
+    trainer.train()
+    assert all(math.isfinite(loss) for loss in trainer.losses)
+    return trainer.losses[0]
+
+
+def unpacked_first_loss(tmp_path, tokenizer, attn_implementation="sdpa") -> float:
+    # One document per row, padded, TRL's own collator and preparation: what every exact packed path must match.
+    args = SFTConfig(output_dir=str(tmp_path / "unpacked"), per_device_train_batch_size=len(LENGTHS), max_steps=1,
+                     max_length=None, **QUIET)
+    trainer = LossRecordingSFTTrainer(model=tiny_model(attn_implementation), args=args, train_dataset=documents(),
+                                      processing_class=tokenizer)
+    return first_step_loss(trainer)
+
+
+# -- stock trl.SFTTrainer: the issue's line, reproduced -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("configured", [False, True], ids=["unhooked", "configure_packing"])
+def test_stock_sft_trainer_cuts_rows_and_mixes_documents(tmp_path, tokenizer, configured):
+    # Rows of 2,048 tokens; SFTConfig's default max_length is 1,024. Nothing in this path reaches llm_packing in a form
+    # it can tell apart from an ordinary unpacked batch, so it is not refused: the README says so.
+    packed = pack_dataset(documents([1500, 548, 1000, 1048], seed=1), 2048)
+    model = tiny_model()
+    if configured:
+        configure_packing(model)
+    trainer = SFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                     bf16=False), train_dataset=packed, processing_class=tokenizer)
+    batch = first_batch(trainer)
+    assert batch["input_ids"].shape == (2, 1024)  # half of every row thrown away
+    assert "position_ids" not in batch and bool((batch["attention_mask"] == 1).all())  # one attention span per row
+
+
+@pytest.mark.slow
+def test_stock_trl_return_position_ids_is_refused_by_the_hook(tmp_path, tokenizer):
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    model = configure_packing(tiny_model())
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, return_position_ids=True)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, dataset_kwargs={"skip_prepare_dataset": True}, **QUIET)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=packed, processing_class=tokenizer,
+                         data_collator=collator)
+    with pytest.raises(ContaminationError, match=r"`position_ids` restart inside a row whose `attention_mask` is 0/1"):
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before the first optimizer step
+
+
+def test_hook_refuses_restarting_positions_under_a_plain_mask():
+    model = configure_packing(tiny_model()).eval()
+    input_ids = torch.arange(10, 16)[None]
+    with pytest.raises(ContaminationError, match=r"row 0, token 3: position 0 after 2"):
+        model(input_ids, attention_mask=torch.ones(1, 6, dtype=torch.long),
+              position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)
+    # Left padding (generation) numbers the real tokens from 0 after the pads: no restart among attended tokens.
+    model(input_ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]),
+          position_ids=torch.tensor([[1, 1, 0, 1, 2, 3]]), use_cache=False)
+
+
+@pytest.mark.slow
+def test_stock_trl_cutting_rows_before_our_collator_is_refused(tmp_path, tokenizer):
+    # Our collator without `skip_prepare_dataset`: TRL cuts `input_ids` to max_length and leaves `seq_lengths` whole.
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, max_length=16, remove_unused_columns=False, **QUIET)
+    trainer = SFTTrainer(model=configure_packing(tiny_model()), args=args, train_dataset=packed,
+                         processing_class=tokenizer, data_collator=DataCollatorWithPacking())
+    with pytest.raises(PackingValueError, match=r"the row was cut after packing.*PackedSFTTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+def test_stock_trl_padding_free_on_packed_rows(tmp_path, tokenizer):
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    # With SFTConfig's default max_length TRL refuses padding-free on rows it will not cut: loud, TRL's own error.
+    with pytest.raises(ValueError, match=r"padding_free=True` without packing, `max_length` is not enforced"):
+        SFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), padding_free=True, **QUIET),
+                   train_dataset=packed, processing_class=tokenizer)
+    # With max_length=None it flattens the batch and restarts positions from `seq_lengths`: exact, hooked or not.
+    args = SFTConfig(output_dir=str(tmp_path), padding_free=True, max_length=None, max_steps=1,
+                     per_device_train_batch_size=len(packed), **QUIET)
+    trainer = LossRecordingSFTTrainer(model=configure_packing(tiny_model()), args=args, train_dataset=packed,
+                                      processing_class=tokenizer)
+    assert first_step_loss(trainer) == pytest.approx(unpacked_first_loss(tmp_path, tokenizer), abs=1e-5)
+
+
+# -- PackedSFTTrainer: the supported line ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_packed_sft_trainer_with_trl_defaults_keeps_rows_whole(tmp_path, tokenizer):
+    packed = pack_dataset(documents([1500, 548, 1000, 1048], seed=1), 2048)
+    trainer = PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), report_to="none",
+                                                                  use_cpu=True, bf16=False),
+                               train_dataset=packed, processing_class=tokenizer)
+    assert trainer.args.max_length == 2048
+    batch = first_batch(trainer)
+    assert batch["input_ids"].shape == (2, 2048)
+    mask, positions, labels = batch["attention_mask"], batch["position_ids"], batch["labels"]
+    assert sorted(int(mask[row].max()) for row in range(2)) == [2, 2]  # two documents per row, indexed
+    starts = torch.nonzero(positions == 0)
+    assert len(starts) == 4 and bool((labels[positions == 0] == -100).all())
+    assert bool((positions[mask > 0] > 0).sum() == 2048 * 2 - 4)  # positions restart only at document starts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_sft_trainer_matches_unpacked(tmp_path, tokenizer, attn_implementation):
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    assert max(map(len, packed["seq_lengths"])) > 1  # several documents share a row
+    args = SFTConfig(output_dir=str(tmp_path / "packed"), per_device_train_batch_size=len(packed), max_steps=1,
+                     **QUIET)
+    trainer = LossRecordingPackedSFTTrainer(model=tiny_model(attn_implementation), args=args, train_dataset=packed,
+                                            processing_class=tokenizer)
+    packed_loss = first_step_loss(trainer)
+    unconfigure_packing()  # the reference runs on a plain model
+    assert packed_loss == pytest.approx(unpacked_first_loss(tmp_path, tokenizer, attn_implementation), abs=1e-5)
+
+
+def test_packed_sft_trainer_leaves_the_callers_config_alone(tmp_path, tokenizer):
+    args = SFTConfig(output_dir=str(tmp_path), **QUIET)
+    trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),
+                               processing_class=tokenizer, verify_packing=False)
+    assert trainer.args.max_length == MAX_LENGTH and trainer.args.dataset_kwargs["skip_prepare_dataset"]
+    assert args.max_length == 1024 and args.dataset_kwargs is None
+    assert isinstance(trainer.data_collator, DataCollatorWithPacking)
+    assert trainer.data_collator.pad_token_id == tokenizer.pad_token_id
+
+
+# -- PackedSFTTrainer refusals -----------------------------------------------------------------------------------
+
+
+def packed_rows() -> Dataset:
+    return pack_dataset(documents(), MAX_LENGTH)
+
+
+def trl_packed_rows() -> Dataset:
+    # TRL's own packer: `seq_lengths` but no record of the max_length, so only the rows' lengths can be checked.
+    from trl.data_utils import pack_dataset as trl_pack_dataset
+
+    return trl_pack_dataset(documents(), MAX_LENGTH, strategy="bfd")
+
+
+@pytest.mark.parametrize(
+    ("config", "collator", "dataset", "error", "match"),
+    [
+        ({"packing": True}, None, None, PackingValueError, r"`packing=True` in the SFTConfig makes TRL pack the rows "
+         r"again.*Set `packing=False` \(recipe: `packing: false`\)"),
+        ({"padding_free": True, "max_length": None}, None, None, PackingValueError,
+         r"`padding_free=True` in the SFTConfig.*DataCollatorWithPacking\(padding_free=True\)"),
+        ({"assistant_only_loss": True}, None, None, PackingValueError,
+         r"`assistant_only_loss=True`.*Mask the labels when tokenizing"),
+        ({}, DataCollatorForLanguageModeling(pad_token_id=0), None, PackingTypeError,
+         r"must be a DataCollatorWithPacking.*TRL's: it ignores `seq_lengths` and sends an all-ones"),
+        ({"max_length": 16}, None, None, PackingValueError,
+         r"`max_length` differs: pack_dataset \(train_dataset\) 32, SFTConfig 16"),
+        ({"max_length": 64}, None, None, PackingValueError, r"`max_length` differs"),
+        ({}, DataCollatorWithPacking(max_length=64), None, PackingValueError,
+         r"`max_length` differs: pack_dataset \(train_dataset\) 32, DataCollatorWithPacking 64"),
+        ({}, None, "unpacked", PackingValueError, r"`train_dataset` has columns \['input_ids', 'labels'\], not packed "
+         r"rows.*pack_dataset\(tokenized, max_length\)"),
+        ({"max_length": 16}, None, "trl", PackingValueError,
+         r"`train_dataset` has rows of \d+ tokens, longer than `max_length`=16"),
+    ],
+    ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller", "max_length-larger",
+         "collator-max_length", "unpacked", "rows-longer-than-max_length"],
+)
+def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, dataset, error, match):
+    train_dataset = {"unpacked": documents, "trl": trl_packed_rows}.get(dataset, packed_rows)()
+    output_dir = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **{**QUIET, **config}),
+                         data_collator=collator, train_dataset=train_dataset, processing_class=tokenizer)
+    assert not output_dir.exists()  # refused before anything is written
+
+
+def test_eval_dataset_max_length_must_agree(tmp_path, tokenizer):
+    with pytest.raises(PackingValueError, match=r"pack_dataset \(train_dataset\) 32, pack_dataset \(eval_dataset\) 16"):
+        PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), **QUIET),
+                         train_dataset=pack_dataset(documents(), MAX_LENGTH),
+                         eval_dataset=pack_dataset(documents([3, 4]), 16), processing_class=tokenizer)
+
+
+def test_refusal_after_trainer_init_leaves_no_output_folder(tmp_path, tokenizer, monkeypatch):
+    def contaminated(model):
+        raise ContaminationError("documents attend across boundaries")
+
+    monkeypatch.setattr("llm_packing.trainer.verify_packing", contaminated)
+    output_dir = tmp_path / "out"
+    with pytest.raises(ContaminationError):
+        PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **QUIET),
+                         train_dataset=pack_dataset(documents(), MAX_LENGTH), processing_class=tokenizer)
+    assert not output_dir.exists()
+
+
+def test_rows_of_one_document_need_no_hook(tmp_path, tokenizer):
+    from llm_packing import is_packing_configured
+
+    PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), **QUIET),
+                     train_dataset=pack_dataset(documents(), MAX_LENGTH, max_docs_per_bin=1),
+                     processing_class=tokenizer)
+    assert not is_packing_configured()
+
+
+# -- what a packed dataset remembers -----------------------------------------------------------------------------
+
+
+def test_packed_max_length_survives_the_usual_dataset_operations(tmp_path):
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    packed.save_to_disk(str(tmp_path / "packed"))
+    reloaded = load_from_disk(str(tmp_path / "packed"))
+    for dataset in (packed, reloaded, reloaded.select([0]), reloaded.shuffle(seed=0), reloaded.with_format("torch"),
+                    reloaded.select_columns(["input_ids", "seq_lengths"]), reloaded.filter(lambda row: True)):
+        assert packed_max_length(dataset) == MAX_LENGTH
+    assert packed_max_length(documents()) is None
+    assert packed_max_length(pack_dataset(documents().to_iterable_dataset(), 40)) == 40
+
