@@ -4,6 +4,7 @@ Each command is a module with a `main(argv)` function, imported only when run (t
 """
 
 import importlib
+import re
 import sys
 
 from .errors import PackingError
@@ -25,13 +26,36 @@ def main(argv: list[str] | None = None):
             print(f"\nunknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}.", file=sys.stderr)
             return 2
         return 0 if argv else 2
+    if argv[0] == "train":  # torch, transformers and TRL take seconds to import: say something first
+        print("llm-packing train: loading torch, transformers and TRL...", file=sys.stderr, flush=True)
     module = importlib.import_module(COMMANDS[argv[0]][0])
+    return run_command(f"llm-packing {argv[0]}", module.main, argv[1:])
+
+
+def run_command(prog: str, main, argv: list[str]) -> int:
+    """`main(argv)`, with a `PackingError` (a user mistake) printed as one line and exit status 1; real bugs keep
+    their traceback."""
     try:
-        module.main(argv[1:])
-    except PackingError as error:  # a user mistake: the message says what to fix, a traceback would bury it
-        print(f"llm-packing {argv[0]}: error: {type(error).__name__}: {error}", file=sys.stderr)
+        main(argv)
+    except PackingError as error:  # the message says what to fix, a traceback would bury it
+        print(f"{prog}: error: {type(error).__name__}: {command_line_wording(str(error))}", file=sys.stderr)
         return 1
     return 0
+
+
+def command_line_wording(message: str) -> str:
+    """
+    Python keyword hints in an error message (`` `overflow='split'` ``) as the flag and recipe key a command-line user
+    writes.
+
+    Example:
+    ```python
+    >>> print(command_line_wording("or pass `overflow='split'` (keeps every token)"))
+    or pass `--overflow split` / `overflow: split` (keeps every token)
+
+    ```
+    """
+    return re.sub(r"`(\w+)=('?)([^`'\s]+)\2`", r"`--\1 \3` / `\1: \3`", message)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class PackingArguments:
         default="error",
         metadata={
             "help": "What to do with documents longer than max_length: error, truncate, split (into max_length "
-            "chunks) or drop.",
+            "chunks) or drop. (`llm-packing stats` defaults to split.)",
             "choices": list(OVERFLOW_POLICIES),
         },
     )

@@ -33,6 +33,21 @@ def load_tokenizer(name: str | None, *, revision: str | None = None, trust_remot
     return tokenizer
 
 
+def check_dataset_name(name: str) -> None:
+    """
+    Refuse a `dataset_name` that looks like a local path (a data file extension, `./`, `../`, `/`, `~`, or more than
+    the one `/` of a hub id) but is not there: `datasets` would look it up on the hub, retrying for half a minute.
+    """
+    path = os.path.expanduser(name)
+    looks_local = (os.path.splitext(name)[1].lstrip(".") in LOCAL_FILE_BUILDERS or name.startswith((".", "/", "~"))
+                   or name.count("/") > 1 or os.sep != "/" and os.sep in name)
+    if looks_local and not os.path.exists(path):
+        raise PackingValueError(
+            f"`dataset_name` {name!r} is not a file or folder (paths are relative to {os.getcwd()}). Check the path, "
+            f"or give a hub dataset id (`owner/name`) or {DEMO_DATASET_NAME!r} for the built-in demo."
+        )
+
+
 def load_documents(name: str, *, config: str | None = None, split: str = "train",
                    max_samples: int | None = None) -> datasets.Dataset:
     """
@@ -41,6 +56,7 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
     """
     if max_samples is not None and max_samples < 1:
         raise PackingValueError(f"`max_samples` must be at least 1 or None, got {max_samples!r}.")
+    check_dataset_name(name)
     if name == DEMO_DATASET_NAME:
         dataset = load_chitchat_dataset(max_samples)
     elif os.path.isfile(name):
@@ -53,7 +69,10 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
             )
         dataset = datasets.load_dataset(builder, data_files=name, split="train")
     else:
-        dataset = datasets.load_dataset(name, config, split=split)
+        try:
+            dataset = datasets.load_dataset(os.path.expanduser(name), config, split=split)
+        except FileNotFoundError as error:  # also datasets' DatasetNotFoundError
+            raise PackingValueError(f"`dataset_name` {name!r} could not be loaded ({error}). Check the name.") from None
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     return dataset

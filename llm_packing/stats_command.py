@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .binpack import STRATEGIES, PackResult, pack_sequences
-from .documents import DEMO_TOKENIZER_NAME, LOCAL_FILE_BUILDERS, load_documents, load_tokenizer, tokenize_documents
+from .documents import DEMO_TOKENIZER_NAME, load_documents, load_tokenizer, tokenize_documents
 from .errors import PackingValueError
 from .overflow import OVERFLOW_POLICIES, check_max_length, check_overflow_policy, cut_pieces
 from .stats import PackingStats
@@ -139,7 +139,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--strategies", "--packing_strategy", nargs="+", default=list(STRATEGIES),
         help=f"Strategies to compare (default: all of {', '.join(STRATEGIES)}).")
     add("--overflow", default="split",
-        help=f"Documents longer than max_length: {', '.join(OVERFLOW_POLICIES)} (default: split, keeps every token).")
+        help=f"Documents longer than max_length: {', '.join(OVERFLOW_POLICIES)} (default: split, keeps every token; "
+        "`llm-packing train` defaults to error).")
     add("--max_docs_per_bin", help="Cap on documents per packed row.")
     add("--packing_seed", "--seed", help="Seed for pairing documents of equal length; default deterministic.")
     add("--max_samples", help="Read only the first this many examples.")
@@ -162,14 +163,8 @@ def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
 def document_lengths(args: argparse.Namespace) -> np.ndarray:
     """Tokens per example of the dataset the flags name: its `input_ids` lengths, tokenizing it first if needed."""
     name = args.dataset_name
-    # A missing local file would otherwise be looked up on the hub, with a confusing "not found there".
-    if os.path.splitext(name)[1].lstrip(".") in LOCAL_FILE_BUILDERS and not os.path.isfile(name):
-        raise PackingValueError(f"`--dataset_name` {name!r} is not a file. Check the path (from {os.getcwd()}).")
-    try:
-        dataset = load_documents(name, config=args.dataset_config, split=args.dataset_train_split,
-                                 max_samples=args.max_samples)
-    except FileNotFoundError as error:  # also datasets' DatasetNotFoundError
-        raise PackingValueError(f"`--dataset_name` {name!r} could not be loaded ({error}). Check the name.") from None
+    dataset = load_documents(name, config=args.dataset_config, split=args.dataset_train_split,
+                             max_samples=args.max_samples)
     if len(dataset) == 0:
         raise PackingValueError(f"`--dataset_name` {name!r} (split {args.dataset_train_split!r}) has no examples.")
     columns = dataset.column_names

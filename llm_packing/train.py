@@ -8,28 +8,37 @@ Each recipe key goes to the dataclass that has a field of that name: TRL's `SFTC
 (model, LoRA), our [`ScriptArguments`] (data, tiny model) and [`~llm_packing.config.PackingArguments`]. Flags on the
 command line override the recipe. Flow: tokenizer and model, documents tokenized with the chat template (labels -100
 outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, `configure_packing` + `verify_packing`,
-`DataCollatorWithPacking`, TRL's `SFTTrainer` (its own packing and dataset preparation off), train, save.
+`DataCollatorWithPacking`, [`~llm_packing.trainer.PackedSFTTrainer`] (TRL's `SFTTrainer` for packed rows), train, save.
 """
 
-import contextlib
-import difflib
-import json
-import logging
+import os
 import sys
-from dataclasses import dataclass, field
 
-import torch
-import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, set_seed
-from trl import ModelConfig, SFTConfig, SFTTrainer, TrlParser, get_peft_config
 
-from .collator import DataCollatorWithPacking
-from .config import PackingArguments
-from .dataset import pack_dataset
-from .documents import load_documents, load_tokenizer, tokenize_documents
-from .errors import PackingValueError, UnsupportedSetupError
-from .patch import packing_configured
-from .verify import verify_packing
+if __name__ == "__main__" and os.environ.get("RANK", "0") == "0":
+    # torch, transformers and TRL take seconds to import: say something first. (`llm_packing` itself imports lazily.)
+    print("llm_packing.train: loading torch, transformers and TRL...", file=sys.stderr, flush=True)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import difflib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import textwrap  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, set_seed  # noqa: E402
+from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config  # noqa: E402
+
+from .collator import DataCollatorWithPacking  # noqa: E402
+from .config import PackingArguments  # noqa: E402
+from .dataset import pack_dataset  # noqa: E402
+from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents  # noqa: E402
+from .errors import PackingValueError, UnsupportedSetupError  # noqa: E402
+from .patch import packing_configured  # noqa: E402
+from .trainer import PackedSFTTrainer  # noqa: E402
 
 
 logger = logging.getLogger("llm_packing.train")  # not __name__, which is "__main__" under `python -m`
@@ -110,7 +119,12 @@ class ScriptArguments:
 def make_parser():
     """The `TrlParser` for recipes: `ScriptArguments`, `PackedSFTConfig`, `ModelConfig`, `PackingArguments`."""
     # No abbreviated flags, so that a typo is reported rather than matched to some other option.
-    return TrlParser((ScriptArguments, PackedSFTConfig, ModelConfig, PackingArguments), allow_abbrev=False)
+    parser = TrlParser((ScriptArguments, PackedSFTConfig, ModelConfig, PackingArguments), allow_abbrev=False,
+                       prog=_prog())
+    for action in parser._actions:  # HfArgumentParser gives `--no_X` the help of `--X` and "(default: False)"
+        if action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help, action.default = f"Same as `--{action.dest} false`.", argparse.SUPPRESS
+    return parser
 
 
 def parse_args(argv: list[str] | None = None):
@@ -129,6 +143,12 @@ def parse_args(argv: list[str] | None = None):
     argv = [part for token in argv for part in (token.split("=", 1) if token.startswith("--config=") else [token])]
     parser = make_parser()
     valid_keys = sorted({action.dest for action in parser._actions} - {"help"})
+    if "--help_all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    if "-h" in argv or "--help" in argv:
+        print(short_help(parser))
+        raise SystemExit(0)
     path = _config_path(argv)
     if path is not None:
         with open(path, encoding="utf-8") as file:
@@ -147,10 +167,39 @@ def parse_args(argv: list[str] | None = None):
             raise PackingValueError(f"Unknown flag {flag!r}{_did_you_mean(flag[2:].replace('-', '_'), valid_keys)}")
     script_args, training_args, model_args, packing_args = parser.parse_args_and_config(argv)
     _check_supported(script_args, training_args, model_args)
-    # TRL must not pack, flatten, mask or re-tokenize the packed rows we hand it.
-    training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-    training_args.remove_unused_columns = False  # the collator needs `seq_lengths`
+    check_dataset_name(script_args.dataset_name)  # before minutes of model loading, not after
     return script_args, training_args, model_args, packing_args
+
+
+def _prog() -> str:
+    return "llm-packing train" if os.path.basename(sys.argv[0]) == "llm-packing" else "python -m llm_packing.train"
+
+
+def short_help(parser) -> str:
+    """`--help`: the recipe flag, the packing and data keys, and where the other keys come from."""
+    lines = [f"usage: {_prog()} --config RECIPE.yaml [--KEY VALUE ...]", "",
+             "Fine-tune a causal LM on packed documents: no attention across documents, positions restarting per "
+             "document.", "Every recipe key is also a flag (`--max_steps 5`); flags override the recipe.", "",
+             "  --config PATH", "      A YAML recipe of `key: value` lines, e.g. recipes/tiny-cpu.yaml."]
+    for title, dataclass_type in (("packing keys", PackingArguments), ("data keys", ScriptArguments)):
+        lines += ["", f"{title}:"]
+        if dataclass_type is PackingArguments:
+            lines += ["  --max_length INT (an SFTConfig key)", "      Tokens per packed row."]
+        for name, item in dataclass_type.__dataclass_fields__.items():
+            choices = item.metadata.get("choices")
+            value = "{" + ",".join(choices) + "}" if choices else type(item.default).__name__.upper()
+            shown = str(item.default).lower() if isinstance(item.default, bool) else item.default
+            default = "" if item.default is None else f" (default: {shown})"
+            lines += [f"  --{name} {value if item.default is not None else 'VALUE'}",
+                      textwrap.fill(item.metadata.get("help", "") + default, 110, initial_indent=" " * 6,
+                                    subsequent_indent=" " * 6)]
+    count = len({action.dest for action in parser._actions} - {"help"})
+    lines += ["", textwrap.fill(
+        "All other keys are those of TRL's SFTConfig (training: output_dir, learning_rate, max_steps, "
+        "per_device_train_batch_size, ...) and ModelConfig (model: model_name_or_path, attn_implementation, dtype, "
+        f"use_peft, lora_r, ...), with the meanings TRL documents. `--help_all` lists all {count} keys. "
+        "`llm-packing stats` shows how a dataset packs before training.", 116)]
+    return "\n".join(lines)
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -166,7 +215,7 @@ def _did_you_mean(key: str, valid_keys: list[str]) -> str:
     close = difflib.get_close_matches(key, valid_keys, n=1)
     hint = f": did you mean {close[0]!r}?" if close else "."
     return (f"{hint} Valid keys are the fields of ScriptArguments, SFTConfig, ModelConfig and PackingArguments; "
-            "`python -m llm_packing.train --help` lists them.")
+            f"`{_prog()} --help_all` lists them.")
 
 
 def _check_supported(script_args, training_args, model_args) -> None:
@@ -197,8 +246,7 @@ def main(argv: list[str] | None = None):
 
 def train(script_args, training_args, model_args, packing_args):
     """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
-    _setup_logging()
-    rank = f"[rank {training_args.process_index}/{training_args.world_size}]"
+    _setup_logging(training_args)
     set_seed(training_args.seed)  # a randomly initialised model is the same on every rank and every run
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
                                revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -218,29 +266,49 @@ def train(script_args, training_args, model_args, packing_args):
                                    max_docs_per_bin=max_docs_per_bin, return_stats=True)
     layout = ("padding-free" if packing_args.padding_free
               else "indexed mask" if packing_args.block_diag_attn else "unpacked")
-    logger.info("%s attention backend %r; layout %s; %d documents in %d rows: %s", rank,
-                model.config._attn_implementation, layout, len(documents), len(rows), stats)
+    logger.info("attention backend %r; layout %s; %d documents in %d rows:\n%s", model.config._attn_implementation,
+                layout, len(documents), len(rows), stats)
+    _warn_if_mostly_split(stats, len(documents), training_args.max_length)
     # Unhooked on exit, unless the caller had configured packing already.
     with packing_configured(model) if packing_args.block_diag_attn else contextlib.nullcontext():
-        if packing_args.block_diag_attn and packing_args.verify_packing:
-            difference = verify_packing(model)
-            logger.info("%s isolation verified: packed logits equal per-document logits (max abs diff %.2g)",
-                        rank, difference)
-        elif packing_args.block_diag_attn:
-            logger.info("%s isolation not verified (`verify_packing: false`)", rank)
         collator = DataCollatorWithPacking(pad_token_id=tokenizer.pad_token_id, max_length=training_args.max_length,
                                            pad_to_multiple_of=training_args.pad_to_multiple_of,
                                            padding_free=packing_args.padding_free)
         # `assistant_only_loss` was applied when tokenizing; TRL would check for raw conversations, which we replaced.
         training_args.assistant_only_loss = False
         counter = _BatchCounter()
-        trainer = SFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
-                             processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=[counter])
+        trainer = PackedSFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
+                                   processing_class=tokenizer, peft_config=get_peft_config(model_args),
+                                   callbacks=[counter], verify_packing=packing_args.verify_packing)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        logger.info("%s trained on %d batches in %d optimizer steps; final loss %.4f", rank, counter.batches,
-                    trainer.state.global_step, result.training_loss)
+        batches = trainer.accelerator.gather(torch.tensor([counter.batches], device=trainer.args.device)).tolist()
         trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        logger.info("trained %d optimizer steps on %s batches (per rank); %s; mean loss over the run %.4f",
+                    trainer.state.global_step, batches, _last_logged_loss(trainer.state.log_history),
+                    result.training_loss)
+        saved = ", ".join(sorted(os.listdir(training_args.output_dir)))
+        logger.info("model saved to %s (%s): the final model is always saved there; `save_strategy` only sets "
+                    "checkpoints during training", os.path.abspath(training_args.output_dir), saved)
     return result
+
+
+def _last_logged_loss(log_history: list[dict]) -> str:
+    logged = [entry for entry in log_history if "loss" in entry]
+    if not logged:
+        return "no loss logged (`logging_steps` is more than the steps run)"
+    return f"last logged loss {logged[-1]['loss']:.4f} (step {logged[-1]['step']})"
+
+
+def _warn_if_mostly_split(stats, num_documents: int, max_length: int) -> None:
+    documents = num_documents - stats.empty_sequences
+    if stats.split_sequences * 2 > documents:
+        logger.warning(
+            "%d of %d documents are longer than max_length %d and were split into pieces trained as separate "
+            "documents, each without the context before it. Raise `--max_length` (`llm-packing stats --max_length N` "
+            "shows how documents fit), or set `--overflow drop` or `truncate`.", stats.split_sequences, documents,
+            max_length,
+        )
 
 
 def load_model(script_args, model_args, training_args, tokenizer):
@@ -263,13 +331,16 @@ def load_model(script_args, model_args, training_args, tokenizer):
     return model
 
 
-def _setup_logging() -> None:
+def _setup_logging(training_args) -> None:
     package_logger = logging.getLogger("llm_packing")
     if not package_logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
+    # Every rank does the same work: one of them tells it. The others speak up only for errors.
+    package_logger.setLevel(logging.INFO if training_args.process_index == 0 else logging.ERROR)
+    # pack_dataset logs its stats itself; this entry point prints them once, in its own summary.
+    logging.getLogger("llm_packing.dataset").setLevel(logging.WARNING)
 
 
 class _BatchCounter(TrainerCallback):
@@ -286,4 +357,6 @@ class _BatchCounter(TrainerCallback):
 
 
 if __name__ == "__main__":
-    main()
+    from .cli import run_command
+
+    sys.exit(run_command("python -m llm_packing.train", main, sys.argv[1:]))

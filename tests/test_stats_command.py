@@ -154,7 +154,7 @@ def test_bad_flags(dataset_file, flags, match):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(PackingValueError, match="`--dataset_name` .*missing.jsonl' is not a file"):
+    with pytest.raises(PackingValueError, match="`dataset_name` .*missing.jsonl' is not a file or folder"):
         main(["--dataset", str(tmp_path / "missing.jsonl"), "--max_length", "64"])
 
 

@@ -2,11 +2,14 @@
 or not (same first-step loss), with LoRA, from the console script and as a 2-process `accelerate launch` job."""
 
 import ast
+import dataclasses
 import glob
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -14,6 +17,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 import torch
 
+from llm_packing.documents import load_documents
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
 from llm_packing.train import main, parse_args
 
@@ -49,7 +53,6 @@ def test_every_recipe_parses(path, tmp_path):
     assert training_args.max_length > 0
     assert packing_args.block_diag_attn is True
     assert training_args.packing is False  # our packing, never TRL's on top
-    assert training_args.dataset_kwargs["skip_prepare_dataset"] is True
     assert (model_args.model_name_or_path is None) != (script_args.model_config is None)
     if model_args.attn_implementation == "flash_attention_2":
         assert packing_args.max_docs_per_bin is not None  # bounds cu_seqlens per row
@@ -162,11 +165,14 @@ def test_tiny_recipe_trains_and_loss_goes_down(tmp_path):
     output = run([sys.executable, "-m", "llm_packing.train", "--config", TINY, "--max_steps", "12",
                   "--logging_steps", "3", "--output_dir", str(tmp_path / "out")], tmp_path)
     assert "isolation verified" in output
-    assert re.search(r"efficiency \d+\.\d+%", output)  # packing stats are printed
+    assert len(re.findall(r"efficiency \d+\.\d+%", output)) == 1  # packing stats are printed, once
     losses = logged_losses(output)
     assert len(losses) == 4
     assert losses[-1] < losses[0] - 0.3, losses
+    last, mean = re.search(r"last logged loss (\S+) \(step 12\); mean loss over the run (\S+)", output).groups()
+    assert float(last) == pytest.approx(losses[-1], abs=1e-4) and float(mean) > float(last)
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
+    assert f"model saved to {tmp_path / 'out'} (" in output and "model.safetensors" in output
 
 
 @pytest.mark.slow
@@ -185,11 +191,12 @@ def test_accelerate_two_process_cpu_run(tmp_path):
     output = run(["accelerate", "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "cpu-ddp.yaml"),
                   "-m", "llm_packing.train", "--config", TINY, "--max_samples", "16",
                   "--output_dir", str(tmp_path / "out")], tmp_path)
-    assert "21 bins of 512 tokens" in output
-    batches = dict(re.findall(r"\[rank (\d)/2\] trained on (\d+) batches", output))
-    assert set(batches) == {"0", "1"}, output[-4000:]
-    assert batches["0"] == batches["1"] and int(batches["0"]) > 0
-    assert len(re.findall(r"\[rank \d/2\] isolation verified", output)) == 2
+    assert output.count("21 bins of 512 tokens") == 1  # rank 0 tells, once
+    batches = re.findall(r"on \[(\d+), (\d+)\] batches \(per rank\)", output)
+    assert len(batches) == 1, output[-4000:]
+    assert batches[0][0] == batches[0][1] and int(batches[0][0]) > 0
+    assert len(re.findall(r"mean loss over the run", output)) == 1
+    assert len(re.findall(r"\[rank 0/2\] isolation verified", output)) == 1
 
 
 @pytest.mark.slow
@@ -199,7 +206,10 @@ def test_examples_run(tmp_path, script, steps_flag):
     if script == "custom_loop.py":
         assert "isolation verified" in output and "step 2: loss" in output
     else:
-        assert "TrainOutput(global_step=2" in output
+        # What users copy prints what the CLI prints: stats, verification, losses; no warnings, no raw reprs.
+        assert re.search(r"efficiency \d+\.\d+%", output) and "isolation verified" in output
+        assert "last logged loss" in output and "TrainOutput(" not in output
+        assert "warn" not in output.lower(), output
 
 
 def test_console_script_prints_errors_without_traceback(tmp_path, capsys):
@@ -207,5 +217,92 @@ def test_console_script_prints_errors_without_traceback(tmp_path, capsys):
 
     assert cli.main(["train", "--config", write_recipe(tmp_path, packing_strategy="best")]) == 1
     error = capsys.readouterr().err
-    assert error.startswith("llm-packing train: error: PackingValueError: `packing_strategy` must be one of")
+    assert error.splitlines()[1].startswith(
+        "llm-packing train: error: PackingValueError: `packing_strategy` must be one of")
     assert "Traceback" not in error
+
+
+# -- the command line, as a new user meets it --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["data/my_chats.jsonl", "./chats", "~/no/such/chats", "a/b/c"])
+def test_missing_local_dataset_fails_fast_naming_path_and_folder(tmp_path, name):
+    start = time.perf_counter()
+    with pytest.raises(PackingValueError, match=rf"`dataset_name` '{re.escape(name)}' is not a file or folder "
+                                                rf"\(paths are relative to {re.escape(os.getcwd())}\)"):
+        parse_args(["--config", TINY, "--dataset_name", name, "--output_dir", str(tmp_path / "out")])
+    assert time.perf_counter() - start < 2  # no hub lookup, no retries
+    with pytest.raises(PackingValueError, match="is not a file or folder"):
+        load_documents(name)
+
+
+def test_help_is_short_and_leads_with_the_recipe(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m llm_packing.train --config RECIPE.yaml")
+    assert len(text.splitlines()) < 70
+    for key in ("--config PATH", "--block_diag_attn", "--overflow {error,truncate,split,drop}", "--max_length",
+                "--dataset_name", "SFTConfig", "ModelConfig", "--help_all"):
+        assert key in text
+    assert "(default: error)" in text and "`llm-packing stats` defaults to split" in text
+
+
+def test_help_all_explains_the_negated_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help_all"])
+    text = capsys.readouterr().out
+    assert re.search(r"--no_block_diag_attn, --no-block-diag-attn\s+Same as `--block_diag_attn false`\.\n", text)
+
+
+def test_errors_read_as_flags_and_leave_nothing_behind(tmp_path, capsys):
+    from llm_packing import cli
+
+    output_dir = tmp_path / "out"
+    recipe = write_recipe(tmp_path, overflow="error", max_length=16, max_samples=2, output_dir=str(output_dir))
+    assert cli.main(["train", "--config", recipe]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "llm-packing train: loading torch, transformers and TRL..."
+    assert lines[-1].startswith("llm-packing train: error: SequenceTooLongError: ")
+    assert "`--overflow split` / `overflow: split`" in lines[-1] and "overflow='split'" not in lines[-1]
+    assert "Traceback" not in lines
+    assert not output_dir.exists()
+
+
+def test_bugs_keep_their_traceback():
+    from llm_packing.cli import run_command
+
+    def bug(argv):
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):
+        run_command("llm-packing train", bug, [])
+
+
+def test_a_split_that_cuts_most_documents_is_warned_about(caplog):
+    from llm_packing.stats import PackingStats
+    from llm_packing.train import _warn_if_mostly_split
+
+    stats = PackingStats.from_bin_token_counts([8] * 30, num_sequences=30, capacity=8)
+    with caplog.at_level(logging.WARNING, logger="llm_packing.train"):
+        _warn_if_mostly_split(dataclasses.replace(stats, split_sequences=3), 10, 8)
+        assert not caplog.records
+        _warn_if_mostly_split(dataclasses.replace(stats, split_sequences=6), 10, 8)
+    assert "6 of 10 documents are longer than max_length 8 and were split" in caplog.text
+
+
+@pytest.mark.slow
+def test_python_m_train_speaks_first_and_errors_in_one_line(tmp_path):
+    # -X importtime lists every import on stderr as it happens: our first line must come before torch's.
+    recipe = write_recipe(tmp_path, packing_strategy="best")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "llm_packing.train", "--config", recipe],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1, result.stderr[-3000:]
+    first = lines.index("llm_packing.train: loading torch, transformers and TRL...")
+    assert first < next(i for i, line in enumerate(lines) if re.search(r"\|\s+torch$", line))
+    errors = [line for line in lines if not line.startswith("import time:")][1:]
+    assert len(errors) == 1 and errors[0].startswith(
+        "python -m llm_packing.train: error: PackingValueError: `packing_strategy` must be one of")
