@@ -294,3 +294,15 @@ def test_packed_max_length_survives_the_usual_dataset_operations(tmp_path):
     assert packed_max_length(documents()) is None
     assert packed_max_length(pack_dataset(documents().to_iterable_dataset(), 40)) == 40
 
+
+
+@pytest.mark.slow
+def test_stock_trl_wrapped_packing_hides_the_documents_from_our_collator(tmp_path, tokenizer):
+    # TRL re-packs our rows with `wrapped` (no `seq_lengths`): the collator sees each new row as one document.
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    args = SFTConfig(output_dir=str(tmp_path), packing=True, packing_strategy="wrapped", max_length=MAX_LENGTH,
+                     remove_unused_columns=False, **QUIET)
+    trainer = SFTTrainer(model=configure_packing(tiny_model()), args=args, train_dataset=packed,
+                         processing_class=tokenizer, data_collator=DataCollatorWithPacking())
+    assert "seq_lengths" not in trainer.train_dataset.column_names
+    assert int(first_batch(trainer)["attention_mask"].max()) == 1  # several documents per row, one attention span
