@@ -7,8 +7,9 @@
 Each recipe key goes to the dataclass that has a field of that name: TRL's `SFTConfig` (training) and `ModelConfig`
 (model, LoRA), our [`ScriptArguments`] (data, tiny model) and [`~llm_packing.config.PackingArguments`]. Flags on the
 command line override the recipe. Flow: tokenizer and model, documents tokenized with the chat template (labels -100
-outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, `configure_packing` + `verify_packing`,
-`DataCollatorWithPacking`, [`~llm_packing.trainer.PackedSFTTrainer`] (TRL's `SFTTrainer` for packed rows), train, save.
+outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, then
+[`~llm_packing.trainer.PackedSFTTrainer`] (TRL's `SFTTrainer` for packed rows: `DataCollatorWithPacking`,
+`configure_packing` + `verify_packing`), train, save. Rank 0 tells what happens; `--help` lists the packing keys.
 """
 
 import os

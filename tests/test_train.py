@@ -170,7 +170,7 @@ def test_tiny_recipe_trains_and_loss_goes_down(tmp_path):
     assert len(losses) == 4
     assert losses[-1] < losses[0] - 0.3, losses
     last, mean = re.search(r"last logged loss (\S+) \(step 12\); mean loss over the run (\S+)", output).groups()
-    assert float(last) == pytest.approx(losses[-1], abs=1e-4) and float(mean) > float(last)
+    assert float(last) == pytest.approx(losses[-1], rel=1e-3) and float(mean) > float(last)  # logs are rounded
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
     assert f"model saved to {tmp_path / 'out'} (" in output and "model.safetensors" in output
 
