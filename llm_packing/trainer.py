@@ -58,6 +58,7 @@ class PackedSFTTrainer(SFTTrainer):
 
     Example:
     ```python
+    >>> import tempfile
     >>> from datasets import Dataset
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
     >>> from trl import SFTConfig
@@ -66,8 +67,8 @@ class PackedSFTTrainer(SFTTrainer):
     >>> packed = pack_dataset(Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9], [10]]}), max_length=4)
     >>> model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32_000, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    >>> trainer = PackedSFTTrainer(model=model, args=SFTConfig(output_dir="out", report_to="none", use_cpu=True,
-    ...     bf16=False), train_dataset=packed, processing_class=load_demo_tokenizer())
+    >>> args = SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False)
+    >>> trainer = PackedSFTTrainer(model=model, args=args, train_dataset=packed, processing_class=load_demo_tokenizer())
     >>> batch = trainer.data_collator([packed[0], packed[1]])
     >>> batch["attention_mask"]
     tensor([[1, 1, 1, 2],
@@ -75,6 +76,9 @@ class PackedSFTTrainer(SFTTrainer):
     >>> batch["position_ids"]
     tensor([[0, 1, 2, 0],
             [0, 1, 0, 0]])
+    >>> batch["labels"]
+    tensor([[-100,    6,    7, -100],
+            [-100,    9, -100, -100]])
 
     ```
     """
