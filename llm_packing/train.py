@@ -267,8 +267,9 @@ def train(script_args, training_args, model_args, packing_args):
                                    max_docs_per_bin=max_docs_per_bin, return_stats=True)
     layout = ("padding-free" if packing_args.padding_free
               else "indexed mask" if packing_args.block_diag_attn else "unpacked")
-    logger.info("attention backend %r; layout %s; %d documents in %d rows:\n%s", model.config._attn_implementation,
-                layout, len(documents), len(rows), stats)
+    # pack_dataset has logged the stats (on rank 0 only, see `_setup_logging`).
+    logger.info("attention backend %r; layout %s; %d documents in %d rows", model.config._attn_implementation, layout,
+                len(documents), len(rows))
     _warn_if_mostly_split(stats, len(documents), training_args.max_length)
     # Unhooked on exit, unless the caller had configured packing already.
     with packing_configured(model) if packing_args.block_diag_attn else contextlib.nullcontext():
@@ -340,8 +341,6 @@ def _setup_logging(training_args) -> None:
         package_logger.addHandler(handler)
     # Every rank does the same work: one of them tells it. The others speak up only for errors.
     package_logger.setLevel(logging.INFO if training_args.process_index == 0 else logging.ERROR)
-    # pack_dataset logs its stats itself; this entry point prints them once, in its own summary.
-    logging.getLogger("llm_packing.dataset").setLevel(logging.WARNING)
 
 
 class _BatchCounter(TrainerCallback):
