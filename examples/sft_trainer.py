@@ -30,9 +30,10 @@ model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 # The design card's line: TRL's trainer, its config and defaults; rows are never cut, documents never mixed.
 args = SFTConfig(output_dir="outputs/example-sft", max_steps=max_steps, per_device_train_batch_size=2,
-                 learning_rate=3e-3, logging_steps=max(1, max_steps // 4), report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                 activation_checkpointing=False)
+                 learning_rate=3e-3, logging_steps=max(1, max_steps // 4), report_to="none", save_strategy="no",
+                 use_cpu=True, bf16=False, activation_checkpointing=False)
 trainer = PackedSFTTrainer(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer)
 result = trainer.train()
 losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-print(f"{result.global_step} steps: last logged loss {losses[-1]:.4f}, mean loss over the run {result.training_loss:.4f}")
+print(f"{result.global_step} steps: last logged loss {losses[-1]:.4f}, mean loss over the run "
+      f"{result.training_loss:.4f}")

@@ -14,12 +14,14 @@ _EXPORTS = {
     "DataCollatorWithPacking": "collator",
     **dict.fromkeys(("PackedDatasetEpochs", "pack_dataset"), "dataset"),
     **dict.fromkeys(
-        ("ContaminationError", "IncompatibleTransformersError", "PackingError", "PackingTypeError", "PackingValueError",
-         "SequenceTooLongError", "UnsupportedSetupError"),
+        ("ContaminationError", "IncompatibleTransformersError", "PackingError", "PackingTypeError",
+         "PackingValueError", "SequenceTooLongError", "UnsupportedSetupError"),
         "errors",
     ),
     **dict.fromkeys(("get_seqlens_in_batch", "get_unpad_data", "is_indexed_packed_mask"), "masks"),
-    **dict.fromkeys(("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "patch"),
+    **dict.fromkeys(
+        ("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "patch"
+    ),
     "PackingStats": "stats",
     "PackedSFTTrainer": "trainer",
     "verify_packing": "verify",
