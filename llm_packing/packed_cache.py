@@ -87,7 +87,9 @@ class PackedWriter:
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            self._file = tempfile.NamedTemporaryFile(dir=directory, prefix="tmp-llm_packing-", delete=False)
+            handle, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            os.close(handle)
+            self._file = pa.OSFile(self._temporary, "wb")  # native writes: a Python file object copies every chunk
             self._writer = pa.ipc.new_stream(self._file, self.schema)
 
     @property
@@ -108,13 +110,13 @@ class PackedWriter:
                             self.target.fingerprint)
         self._writer.close()
         self._file.close()
-        os.replace(self._file.name, self.target.path)
+        os.replace(self._temporary, self.target.path)
         return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
 
     def abort(self) -> None:
         if self._writer is not None:
             self._file.close()
-            os.remove(self._file.name)
+            os.remove(self._temporary)
 
 
 def _dataset(table, split, fingerprint: str) -> datasets.Dataset:
