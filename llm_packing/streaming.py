@@ -94,12 +94,6 @@ def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
     bin_tokens: list[int] = []
     rounds = num_pieces = 0
     for row, example in enumerate(dataset):
-        if not options["keeps_labels"] and (undeclared := sorted({"labels", *MASK_COLUMNS} & example.keys())):
-            # Their labels would be dropped: the packed stream's columns were fixed from the declared features.
-            raise PackingValueError(
-                f"Example {row} has {undeclared}, which the stream's features {sorted(dataset.features)} do not "
-                "declare. Cast the stream to features that include them (`dataset.cast(features)`)."
-            )
         input_ids, labels = _document(example, row)
         pieces = cut_pieces(np.array([len(input_ids)]), max_length, overflow, first_row=row)
         for name, value in pieces.counts().items():
