@@ -107,7 +107,7 @@ def pack_dataset(
     >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]})
     >>> pack_dataset(ds, 4)[:]
     {'input_ids': [[1, 2, 3, 6], [4, 5]], 'seq_lengths': [[3, 1], [2]]}
-    >>> pack_dataset(ds, 4, return_position_ids=True)["position_ids"]
+    >>> pack_dataset(ds, 4, return_position_ids=True)[:]["position_ids"]
     [[0, 1, 2, 0], [0, 1]]
 
     ```
