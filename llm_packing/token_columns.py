@@ -170,7 +170,7 @@ def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarra
             address, _, offset, offsets = place
             # Arrow buffers are 64-byte aligned and values are whole elements: every chunk starts at a whole index.
             start = (address - base) * per_byte // dtype.itemsize + offset
-            row_start[first_row : first_row + len(chunk)] = start + offsets[:-1]
+            row_start[first_row : first_row + len(chunk)] = offsets[:-1].astype(np.int64) + start  # past int32
         first_row += len(chunk)
     return view, row_start
 
