@@ -73,9 +73,9 @@ def summary(table) -> dict:
 def child(args) -> None:
     """One timed pack in this process; prints a JSON line."""
     import datasets
+    from trl.data_utils import pack_dataset as trl_pack_dataset
 
     import llm_packing
-    from trl.data_utils import pack_dataset as trl_pack_dataset
 
     datasets.disable_caching()
     datasets.disable_progress_bars()

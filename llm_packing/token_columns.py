@@ -151,7 +151,7 @@ def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarra
     """A read-only view from the lowest to the highest address of the chunks' values, and each row's first index in
     it (in bits for booleans). Chunks come from one memory map or from separate allocations: the view spans the gaps
     between them, which are never read."""
-    located = []  # (address, size, first value's index in its buffer, list offsets) per chunk, None if it has no values
+    located = []  # per chunk: (address, size, first value's index in the buffer, list offsets), None without values
     for chunk in chunks:
         values = chunk.values
         data = values.buffers()[1] if len(values) else None
