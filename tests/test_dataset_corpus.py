@@ -1,5 +1,7 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
+from types import SimpleNamespace
+
 import datasets
 import numpy as np
 import pyarrow as pa
@@ -9,7 +11,7 @@ from datasets import Dataset, DatasetDict
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llm_packing import dataset as dataset_module
-from llm_packing import packed_cache
+from llm_packing import packed_cache, token_columns
 from llm_packing.collator import DataCollatorWithPacking
 from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingValueError
@@ -182,3 +184,35 @@ class TestCache:
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
         files = {epochs.repack(epoch).cache_files[0]["filename"] for epoch in (0, 1, 0)}
         assert len(files) == 2
+
+
+
+class _FakeValues:
+    offset = 1
+
+    def __init__(self, address, size):
+        self._buffer = SimpleNamespace(address=address, size=size)
+
+    def buffers(self):
+        return [None, self._buffer]
+
+    def __len__(self):
+        return 1
+
+
+class _FakeChunk:
+    """A list chunk whose values buffer lies at `address` (only what `_span` reads)."""
+
+    def __init__(self, address, offsets):
+        self.values = _FakeValues(address, 4 * offsets[-1])
+        self.offsets = pa.array(np.array(offsets, np.int32))
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+
+def test_row_starts_past_int32():
+    # A 16 GiB corpus: chunks 8 GiB apart put row starts past 2**31 values, while list offsets are int32.
+    chunks = [_FakeChunk(1 << 20, [0, 2, 5]), _FakeChunk((1 << 20) + (8 << 30), [0, 3])]
+    _, row_start = token_columns._span(chunks, np.dtype(np.int32), False, 3)
+    assert row_start.tolist() == [1, 3, (8 << 30) // 4 + 1]
