@@ -1,8 +1,10 @@
 """`pack_dataset`: tokenized `datasets` in, packed rows out, with one global `pack_sequences` call per split.
 
-Lengths come from the Arrow list offsets and the packed columns are built with numpy gathers over the flat token
-buffers, chunk by chunk under a progress bar: no Python loop over rows or documents, and no Python list of tokens.
-Over-long and empty sequences follow `overflow` (see `overflow.py`) and what was cut is counted in the stats.
+Lengths come from the Arrow list offsets; tokens are read where they lie (a memory-mapped dataset is never copied
+whole, see `token_columns.py`) and gathered with numpy, a bounded chunk of packed rows at a time under a progress
+bar, each chunk written to the `datasets` cache as it is done (see `packed_cache.py`). No Python loop over rows or
+documents, and no Python list of tokens. Over-long and empty sequences follow `overflow` (see `overflow.py`) and what
+was cut is counted in the stats.
 """
 
 import dataclasses
@@ -11,24 +13,23 @@ import logging
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-from datasets.fingerprint import Hasher
 from datasets.utils.tqdm import tqdm
 
 from .binpack import pack_sequences, seed_from_components
 from .errors import PackingError, PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from .packed_cache import PackedWriter, destination, load_cached
 from .packed_metadata import record_packing
+from .token_columns import IGNORE_INDEX, MASK_COLUMNS, TokenColumn, flat_values, invalid_label_error, row_windows
 
+
+__all__ = ["IGNORE_INDEX", "MASK_COLUMNS", "PackedDatasetEpochs", "invalid_label_error", "pack_dataset",
+           "segment_aranges"]
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-MASK_COLUMNS = ("completion_mask", "assistant_masks")  # TRL's: 0 marks a token that is not trained on
-_TOKEN_COLUMNS = ("input_ids", "labels", "position_ids")
-_GATHER_CHUNK = 1 << 24  # tokens per gather step: bounds the temporary index arrays to ~128 MiB
-_INT32_MAX = np.iinfo(np.int32).max
-_MAX_LIST_OFFSET = _INT32_MAX  # past this many tokens, a column needs 64-bit (large_list) offsets
+_GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
+_MAX_LIST_OFFSET = np.iinfo(np.int32).max  # past this many tokens, a column needs 64-bit (large_list) offsets
 
 
 def pack_dataset(
@@ -39,6 +40,10 @@ def pack_dataset(
     seed: int | None = None,
     overflow: OverflowPolicy = "error",
     max_docs_per_bin: int | None = None,
+    return_position_ids: bool = False,
+    keep_in_memory: bool = False,
+    cache_file_name: str | None = None,
+    load_from_cache_file: bool | None = None,
     buffer_size: int = 10_000,
     return_stats: bool = False,
 ):
@@ -48,6 +53,9 @@ def pack_dataset(
     Every split is packed at once (one `pack_sequences` call over all its documents, not per `map` batch). Columns
     other than `input_ids`, `labels`, `completion_mask` and `assistant_masks` are dropped: a packed row has no single
     value for a per-example column. Rows come out in the engine's bin order; the Trainer's sampler shuffles them.
+    Like `Dataset.map`, the rows are written to an Arrow file beside the input's cache files and memory-mapped, and
+    a second call with the same input and options loads that file instead of packing again; an in-memory input keeps
+    its packed rows in memory.
     Collate them with [`~llm_packing.collator.DataCollatorWithPacking`] (after `configure_packing(model)`) or TRL's
     `padding_free=True` collator; TRL's default padding collator ignores `seq_lengths` and lets documents attend to
     each other.
@@ -71,6 +79,15 @@ def pack_dataset(
             always dropped. The counts are in the stats.
         max_docs_per_bin (`int`, *optional*):
             Cap on documents per row (e.g. to bound FlashAttention's `cu_seqlens`).
+        return_position_ids (`bool`, *optional*, defaults to `False`):
+            Also store `position_ids` (restarting at 0 per document), for a collator that does not derive them from
+            `seq_lengths` as ours and TRL's `padding_free=True` one do.
+        keep_in_memory (`bool`, *optional*, defaults to `False`):
+            Keep the packed rows in memory instead of writing them to a cache file.
+        cache_file_name (`str`, *optional*):
+            The cache file to write (and to load if it exists), as in `Dataset.map`; a `Dataset` only.
+        load_from_cache_file (`bool`, *optional*):
+            Load an existing cache file instead of packing again; defaults to `datasets.is_caching_enabled()`.
         buffer_size (`int`, *optional*, defaults to `10000`):
             Streaming only: sequences packed together; see [`~llm_packing.streaming.pack_iterable_dataset`].
         return_stats (`bool`, *optional*, defaults to `False`):
@@ -79,8 +96,10 @@ def pack_dataset(
 
     Returns:
         The packed dataset (same container type), or `(packed, stats)` with `return_stats=True`. Columns, all
-        `int32` lists: `input_ids`, `labels` (-100 on each document's first token, so that no document is trained to
-        predict the next one's start), `position_ids` (restarting at 0 per document) and `seq_lengths`.
+        `int32` lists: `input_ids`, `labels` only where they say more than the collator derives (a `labels` or mask
+        column that leaves out some token other than a document's first), `position_ids` only when asked, and
+        `seq_lengths`. Without `labels`, a collator takes the `input_ids` with -100 on each document's first token
+        (so that no document is trained to predict the next one's start); streamed rows always carry `labels`.
 
     Example:
     ```python
@@ -88,7 +107,9 @@ def pack_dataset(
     >>> from llm_packing.dataset import pack_dataset
     >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]})
     >>> pack_dataset(ds, 4)[:]
-    {'input_ids': [[1, 2, 3, 6], [4, 5]], 'labels': [[-100, 2, 3, -100], [-100, 5]], 'position_ids': [[0, 1, 2, 0], [0, 1]], 'seq_lengths': [[3, 1], [2]]}
+    {'input_ids': [[1, 2, 3, 6], [4, 5]], 'seq_lengths': [[3, 1], [2]]}
+    >>> pack_dataset(ds, 4, return_position_ids=True)[:]["position_ids"]
+    [[0, 1, 2, 0], [0, 1]]
 
     ```
     """
@@ -103,32 +124,52 @@ def pack_dataset(
             )
         from .streaming import pack_iterable_dataset
 
+        options.update(overflow=overflow, buffer_size=buffer_size, return_position_ids=return_position_ids)
         if isinstance(dataset, datasets.IterableDatasetDict):
             return record_packing(datasets.IterableDatasetDict(
-                {split: pack_iterable_dataset(ds, max_length, overflow=overflow, buffer_size=buffer_size, **options)
-                 for split, ds in dataset.items()}
+                {split: pack_iterable_dataset(ds, max_length, **options) for split, ds in dataset.items()}
             ), max_length)
-        return record_packing(
-            pack_iterable_dataset(dataset, max_length, overflow=overflow, buffer_size=buffer_size, **options), max_length
-        )
+        return record_packing(pack_iterable_dataset(dataset, max_length, **options), max_length)
+    options["return_position_ids"] = return_position_ids
+    storage = dict(keep_in_memory=keep_in_memory, cache_file_name=cache_file_name,
+                   load_from_cache_file=load_from_cache_file)
     if isinstance(dataset, datasets.DatasetDict):
+        if cache_file_name is not None:
+            raise PackingValueError(
+                f"`cache_file_name`={cache_file_name!r} names one file, but a DatasetDict has a packed dataset per "
+                "split. Pack each split on its own (`pack_dataset(splits['train'], ..., cache_file_name=...)`), or "
+                "leave the names to the datasets cache."
+            )
         packed = {}
         for split, ds in dataset.items():
             try:
-                packed[split] = _Documents(ds, max_length, overflow).pack(**options)
+                packed[split] = _pack_split(ds, max_length, overflow, options, storage)
             except PackingError as error:  # same type, so `except SequenceTooLongError` still works
                 raise type(error)(f"Split {split!r}: {error}") from error
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
-        record_packing(result, max_length)
-        return (result, {split: stats for split, (_, stats) in packed.items()}) if return_stats else result
-    if not isinstance(dataset, datasets.Dataset):
+        stats = {split: split_stats for split, (_, split_stats) in packed.items()}
+    elif isinstance(dataset, datasets.Dataset):
+        result, stats = _pack_split(dataset, max_length, overflow, options, storage)
+    else:
         raise PackingTypeError(
             f"`dataset` must be a datasets Dataset, DatasetDict, IterableDataset or IterableDatasetDict, got "
             f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
         )
-    packed, stats = _Documents(dataset, max_length, overflow).pack(**options)
-    record_packing(packed, max_length)
-    return (packed, stats) if return_stats else packed
+    return (result, stats) if return_stats else result
+
+
+def _pack_split(dataset, max_length, overflow, options, storage, documents=None):
+    """One split packed (or loaded from the cache), formatted like its input; `documents` if already read."""
+    target = destination(dataset, dict(max_length=max_length, overflow=overflow, **options), **storage)
+    cached = load_cached(target, dataset.split)
+    if cached is None:
+        documents = documents or _Documents(dataset, max_length, overflow)
+        packed, stats = documents.pack(target, dataset.split, **options)
+    else:
+        packed, stats = cached
+    split = dataset.split
+    logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
+    return record_packing(packed.with_format(dataset.format["type"]), max_length), stats
 
 
 class PackedDatasetEpochs:
@@ -147,8 +188,8 @@ class PackedDatasetEpochs:
             Tokens per packed row.
         seed (`int`, *optional*, defaults to `0`):
             Base seed; epoch `e` packs with `seed_from_components(seed, e)`.
-        strategy, overflow, max_docs_per_bin:
-            As for [`pack_dataset`].
+        strategy, overflow, max_docs_per_bin, return_position_ids, keep_in_memory, load_from_cache_file:
+            As for [`pack_dataset`]; each epoch has its own cache file.
 
     Example:
     ```python
@@ -170,85 +211,135 @@ class PackedDatasetEpochs:
         strategy: str = "bfd",
         overflow: OverflowPolicy = "error",
         max_docs_per_bin: int | None = None,
+        return_position_ids: bool = False,
+        keep_in_memory: bool = False,
+        load_from_cache_file: bool | None = None,
     ):
         check_max_length(max_length)
         check_overflow_policy(overflow)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+        self._dataset, self._max_length, self._overflow = dataset, max_length, overflow
         self._documents = _Documents(dataset, max_length, overflow)
-        self._options = dict(strategy=strategy, max_docs_per_bin=max_docs_per_bin)
+        self._options = dict(strategy=strategy, max_docs_per_bin=max_docs_per_bin,
+                             return_position_ids=return_position_ids)
+        self._storage = dict(keep_in_memory=keep_in_memory, cache_file_name=None,
+                             load_from_cache_file=load_from_cache_file)
         self._seed = seed
         self.stats = None  # PackingStats of the last `repack`
 
     def repack(self, epoch: int) -> datasets.Dataset:
         """The packed dataset for `epoch`; its stats are in `self.stats` afterwards."""
-        packed, self.stats = self._documents.pack(seed=seed_from_components(self._seed, epoch), **self._options)
-        return record_packing(packed, self._documents.max_length)
+        options = dict(seed=seed_from_components(self._seed, epoch), **self._options)
+        packed, self.stats = _pack_split(self._dataset, self._max_length, self._overflow, options, self._storage,
+                                         documents=self._documents)
+        return packed
 
 
 class _Documents:
-    """The flat token and label buffers of one split, and the pieces of them that get packed."""
+    """The token columns of one split, read in place, and the pieces of them that get packed."""
 
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
-        # With no rows, `data.table` may still hold every row behind an indices mapping (`filter`, `select([])`).
+        # An indices mapping (`select`, `shuffle`, `filter`) is gathered here: `flatten_indices()` first avoids it.
+        # With no rows, `data.table` may still hold every row behind the mapping.
         table = dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0)
         if "input_ids" not in table.column_names:
             raise PackingValueError(
                 f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
                 "`dataset.map(lambda ex: tokenizer(ex['text']))`."
             )
-        lengths, self.input_ids = _flat_column(table, "input_ids", lengths=None)
-        self.labels = _labels(table, lengths, self.input_ids)
+        self.input_ids = TokenColumn(table, "input_ids")
+        lengths = self.input_ids.lengths
+        self.labels = TokenColumn(table, "labels", lengths) if "labels" in table.column_names else None
+        self.masks = [TokenColumn(table, name, lengths) for name in MASK_COLUMNS if name in table.column_names]
         self.pieces = cut_pieces(lengths, max_length, overflow)
-        row_start = np.cumsum(lengths) - lengths
-        self.flat_start = row_start[self.pieces.source] + self.pieces.start
         self.max_length = max_length
-        self.key = (max_length, overflow)
-        self.format_type = dataset.format["type"]  # e.g. "torch": the packed dataset is formatted the same way
-        self.source = (dataset._fingerprint, dataset.split)
+        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
+        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(table, lengths)
 
-    def pack(self, *, strategy, seed, max_docs_per_bin):
+    def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids):
         result = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
                                 max_docs_per_bin=max_docs_per_bin)
-        table = self._build(result.order, result.bin_offsets)
-        info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(table.schema))
-        # An explicit fingerprint: datasets would otherwise hash every packed token to make one.
-        fingerprint = Hasher.hash((self.source, self.key, strategy, seed, max_docs_per_bin))
-        split = self.source[1]
-        packed = datasets.Dataset(datasets.table.InMemoryTable(table), info=info, split=split, fingerprint=fingerprint)
-        packed = packed.with_format(self.format_type)
         stats = dataclasses.replace(result.stats, **self.pieces.counts())
-        logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
-        return packed, stats
+        num_tokens = int(self.pieces.length.sum())
+        writer = PackedWriter(target, self._schema(num_tokens, return_position_ids), stats)
+        try:
+            self._write(result.order, result.bin_offsets, writer)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.finish(split), stats
 
-    def _build(self, order: np.ndarray, bin_offsets: np.ndarray) -> pa.Table:
+    def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
+        tokens = datasets.Value("int32")
+        token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)
+        names = ["input_ids", *(["labels"] if self.keeps_labels else []),
+                 *(["position_ids"] if return_position_ids else [])]
+        features = datasets.Features({**dict.fromkeys(names, token_list), "seq_lengths": datasets.List(tokens)})
+        return features.arrow_schema
+
+    def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter) -> None:
+        """Gather the packed rows a chunk of about `_GATHER_CHUNK` tokens at a time and hand each chunk to `writer`."""
         lengths = self.pieces.length[order]
-        sources = self.flat_start[order]
         doc_start = np.concatenate([[0], np.cumsum(lengths)])
+        row_start = doc_start[bin_offsets]
         num_tokens = int(doc_start[-1])
-        columns = {name: np.empty(num_tokens, dtype=np.int32) for name in _TOKEN_COLUMNS}
-        chunks = np.searchsorted(doc_start, [*range(0, num_tokens, _GATHER_CHUNK), num_tokens])
-        # One gather buffer for every chunk: fresh ~128 MiB arrays per chunk would cost as much in page faults.
-        gather = np.empty(int(np.diff(doc_start[chunks]).max(initial=0)), dtype=np.int64)
+        offset_type = np.int64 if writer.schema.field("input_ids").type == pa.large_list(pa.int32()) else np.int32
+        starts = {name: column.row_start[self.pieces.source] + self.pieces.start for name, column in self._columns()}
+        # Written chunks are on disk once written: their buffers are reused, since fresh memory costs page faults.
+        bounds = self._chunk_bounds(row_start)
+        size = int(np.diff(row_start[bounds]).max(initial=0))
+        buffers = {name: np.empty(size, np.int32) for name in writer.schema.names if name != "seq_lengths"}
+        gather = np.empty(size, np.int64)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
-            for first, last in zip(chunks[:-1], chunks[1:]):
-                tokens = slice(doc_start[first], doc_start[last])
-                size = tokens.stop - tokens.start
-                segment_aranges(sources[first:last], lengths[first:last], out=gather[:size])
-                # The indices are in range by construction: "clip" skips the per-index check "raise" makes (~30%).
-                np.take(self.input_ids, gather[:size], out=columns["input_ids"][tokens], mode="clip")
-                # Without a labels or mask column the labels are the tokens: a copy is cheaper than a second gather.
-                if self.labels is None:
-                    columns["labels"][tokens] = columns["input_ids"][tokens]
-                else:
-                    np.take(self.labels, gather[:size], out=columns["labels"][tokens], mode="clip")
-                segment_aranges(np.zeros(1, np.int32), lengths[first:last], out=columns["position_ids"][tokens])
-                progress.update(size)
-        columns["labels"][doc_start[:-1]] = IGNORE_INDEX
-        row_offsets = doc_start[bin_offsets]
-        arrays = {name: _list_array(row_offsets, values) for name, values in columns.items()}
-        arrays["seq_lengths"] = _list_array(bin_offsets, lengths.astype(np.int32))
-        return pa.table(arrays)
+            for first, last in zip(bounds[:-1], bounds[1:]):
+                docs = slice(bin_offsets[first], bin_offsets[last])
+                tokens = int(row_start[last] - row_start[first])
+                if not writer.reuses_buffers:
+                    buffers = {name: np.empty(tokens, np.int32) for name in buffers}
+                columns = self._gather(order[docs], lengths[docs], starts, gather[:tokens],
+                                       {name: buffer[:tokens] for name, buffer in buffers.items()})
+                token_offsets = pa.array((row_start[first : last + 1] - row_start[first]).astype(offset_type))
+                list_type = pa.LargeListArray if offset_type == np.int64 else pa.ListArray
+                arrays = {name: list_type.from_arrays(token_offsets, pa.array(values))
+                          for name, values in columns.items()}
+                doc_offsets = pa.array((bin_offsets[first : last + 1] - bin_offsets[first]).astype(np.int32))
+                arrays["seq_lengths"] = pa.ListArray.from_arrays(doc_offsets, pa.array(lengths[docs].astype(np.int32)))
+                writer.write(pa.Table.from_arrays([arrays[name] for name in writer.schema.names],
+                                                  schema=writer.schema))
+                progress.update(tokens)
+
+    @staticmethod
+    def _chunk_bounds(row_start: np.ndarray) -> np.ndarray:
+        """Row indices cutting the rows into chunks of at most `_GATHER_CHUNK` tokens (or one row)."""
+        bounds, first = [0], 0
+        while first < len(row_start) - 1:
+            last = int(np.searchsorted(row_start, row_start[first] + _GATHER_CHUNK, side="right")) - 1
+            first = min(max(last, first + 1), len(row_start) - 1)
+            bounds.append(first)
+        return np.array(bounds)
+
+    def _columns(self):
+        """The columns read when gathering, by name."""
+        stored = [self.input_ids, *([self.labels, *self.masks] if self.keeps_labels else [])]
+        return [(column.name, column) for column in stored if column is not None]
+
+    def _gather(self, pieces, lengths, starts, gather, out) -> dict[str, np.ndarray]:
+        """The token columns of the documents `pieces` (in row order), written into the arrays of `out`."""
+        segment_aranges(starts["input_ids"][pieces], lengths, out=gather)
+        self.input_ids.take(gather, out=out["input_ids"])
+        if "labels" in out:
+            labels = out["labels"]
+            if self.labels is None:
+                labels[...] = out["input_ids"]
+            else:
+                self.labels.take(segment_aranges(starts["labels"][pieces], lengths, out=gather), out=labels)
+            for mask in self.masks:
+                labels[mask.take(segment_aranges(starts[mask.name][pieces], lengths, out=gather)) == 0] = IGNORE_INDEX
+            labels[np.cumsum(lengths) - lengths] = IGNORE_INDEX
+        if "position_ids" in out:
+            segment_aranges(np.zeros(1, np.int32), lengths, out=out["position_ids"])
+        return out
 
 
 def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -277,75 +368,20 @@ def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | N
     return np.cumsum(steps, out=steps)
 
 
-def _flat_column(table: pa.Table, name: str, lengths: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Row lengths and flat values of a list-of-integers column, checked against `lengths` when given."""
-    column = table.column(name)
-    if len(column) == 0 and pa.types.is_null(column.type):  # `Dataset.from_dict({"input_ids": []})` has no type
-        return np.zeros(0, np.int64), np.zeros(0, np.int32)
-    value_type = getattr(column.type, "value_type", None)
-    is_mask = name in MASK_COLUMNS
-    allowed = (pa.types.is_integer, pa.types.is_null, *((pa.types.is_boolean,) if is_mask else ()))  # null: all empty
-    if value_type is None or not any(is_type(value_type) for is_type in allowed):
-        raise PackingTypeError(
-            f"Column {name!r} must hold lists of integers, got Arrow type {column.type}. Tokenize the text and cast "
-            "the ids to integers first."
-        )
-    if column.null_count:
-        row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-        raise PackingValueError(f"Column {name!r} is null in row {row}. Fill or filter that row before packing.")
-    column_lengths = pc.list_value_length(column).to_numpy().astype(np.int64)
-    if lengths is not None and not np.array_equal(column_lengths, lengths):
-        row = int(np.flatnonzero(column_lengths != lengths)[0])
-        raise PackingValueError(
-            f"Column {name!r} has {column_lengths[row]} values in row {row}, but 'input_ids' has {lengths[row]}. "
-            f"Every token needs exactly one {name!r} entry; fix that row's preprocessing."
-        )
-    values = pc.list_flatten(column)
-    # combine_chunks copies even a single chunk: 1.6 GB more to allocate and write at 400M tokens.
-    values = values.chunk(0) if values.num_chunks == 1 else values.combine_chunks()
-    if values.null_count:
-        raise PackingValueError(
-            f"Column {name!r} holds {values.null_count} null values inside its lists. Every token needs an integer."
-        )
-    values = values.to_numpy(zero_copy_only=False)
-    if is_mask:
-        return column_lengths, values
-    low = 0 if name == "input_ids" else IGNORE_INDEX
-    if len(values) and (values.min() < low or values.max() > _INT32_MAX):
-        bad = values.min() if values.min() < low else values.max()
-        raise PackingValueError(
-            f"Column {name!r} must hold values in [{low}, {_INT32_MAX}], found {bad!r}. Token ids are non-negative; "
-            "-100 (not trained on) belongs in 'labels' only."
-        )
-    if low < 0 and len(values) and values.min() < 0 and (wrong := (values < 0) & (values != IGNORE_INDEX)).any():
-        first = int(np.argmax(wrong))
-        row = int(np.searchsorted(np.cumsum(column_lengths), first, side="right"))
-        raise invalid_label_error(f"Column {name!r} in row {row}", int(values[first]))
-    return column_lengths, values.astype(np.int32, copy=False)
-
-
-def _labels(table: pa.Table, lengths: np.ndarray, input_ids: np.ndarray) -> np.ndarray | None:
-    """The flat labels, or `None` when they are the `input_ids` (no labels or mask column)."""
+def _labels_say_more(table: pa.Table, lengths: np.ndarray) -> bool:
+    """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
+    collator's labels (the ids, -100 at each document start) are the same and none are stored."""
     names = [name for name in ("labels", *MASK_COLUMNS) if name in table.column_names]
-    if not names:
-        return None
-    labels = _flat_column(table, "labels", lengths)[1].copy() if "labels" in names else input_ids.copy()
-    for name in MASK_COLUMNS:
-        if name in names:
-            labels[_flat_column(table, name, lengths)[1] == 0] = IGNORE_INDEX
-    return labels
-
-
-def invalid_label_error(where: str, value: int) -> PackingValueError:
-    """The error for a label that is neither a token id nor `IGNORE_INDEX`; `where` names the example."""
-    return PackingValueError(
-        f"{where} holds {value}: a label is a token id (>= 0) or {IGNORE_INDEX} (not trained on); the loss would "
-        f"fail on anything else. Mask tokens with {IGNORE_INDEX}."
-    )
-
-
-def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
-    if offsets[-1] > _MAX_LIST_OFFSET:
-        return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), pa.array(values))
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
-
+    row_ends = np.cumsum(lengths)
+    for first, last in row_windows(lengths):
+        ids = flat_values(table.column("input_ids"), first, last)
+        differs = np.zeros(len(ids), bool)
+        for name in names:
+            values = flat_values(table.column(name), first, last)
+            differs |= (values != ids) if name == "labels" else (values == 0)
+        window_start = row_ends[first - 1] if first else 0
+        row_starts = (row_ends[first:last] - lengths[first:last] - window_start)[lengths[first:last] > 0]
+        differs[row_starts] = False
+        if differs.any():
+            return True
+    return False

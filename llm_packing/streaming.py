@@ -15,18 +15,16 @@ import datasets
 import numpy as np
 
 from .binpack import pack_sequences, seed_from_components
-from .dataset import _INT32_MAX, IGNORE_INDEX, MASK_COLUMNS
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .stats import PackingStats
+from .token_columns import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS
 
 
 logger = logging.getLogger(__name__)
 
 _MIN_FILL = 0.99  # a bin this full is emitted rather than offered more partners
-_FEATURES = datasets.Features(
-    {name: datasets.List(datasets.Value("int32")) for name in ("input_ids", "labels", "position_ids", "seq_lengths")}
-)
+_TOKENS = datasets.List(datasets.Value("int32"))
 
 
 def pack_iterable_dataset(
@@ -38,10 +36,13 @@ def pack_iterable_dataset(
     seed: int | None = None,
     overflow: OverflowPolicy = "error",
     max_docs_per_bin: int | None = None,
+    return_position_ids: bool = False,
 ) -> datasets.IterableDataset:
     """
-    Pack a streamed dataset lazily: the same rows and columns as [`~llm_packing.dataset.pack_dataset`], produced
-    while iterating, from a buffer of `buffer_size` sequences.
+    Pack a streamed dataset lazily: the same rows as [`~llm_packing.dataset.pack_dataset`], produced while
+    iterating, from a buffer of `buffer_size` sequences. The rows carry `labels` when the stream's features name a
+    `labels` or mask column (or are unknown): whether those say more than the collator derives is only known once the
+    stream has been read.
 
     Args:
         dataset ([`~datasets.IterableDataset`]):
@@ -50,7 +51,7 @@ def pack_iterable_dataset(
             Tokens per packed row.
         buffer_size (`int`, *optional*, defaults to `10000`):
             Sequences packed together. Larger buffers pack tighter and hold more examples in memory.
-        strategy, seed, overflow, max_docs_per_bin:
+        strategy, seed, overflow, max_docs_per_bin, return_position_ids:
             As for [`~llm_packing.dataset.pack_dataset`]; `overflow="error"` raises when the stream reaches the
             first over-long sequence.
 
@@ -74,9 +75,15 @@ def pack_iterable_dataset(
     # Packing nothing checks `strategy` and `max_docs_per_bin` now rather than once the stream is iterated.
     pack_sequences(np.zeros(0, np.int64), max_length, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     options = dict(max_length=max_length, buffer_size=buffer_size, strategy=strategy, seed=seed, overflow=overflow,
-                   max_docs_per_bin=max_docs_per_bin)
+                   max_docs_per_bin=max_docs_per_bin, return_position_ids=return_position_ids)
+    features = dataset.features
+    keeps_labels = features is None or any(name in features for name in ("labels", *MASK_COLUMNS))
+    options["keeps_labels"] = keeps_labels
+    names = ["input_ids", *(["labels"] if keeps_labels else []), *(["position_ids"] if return_position_ids else []),
+             "seq_lengths"]
     return datasets.IterableDataset.from_generator(
-        _packed_rows, features=_FEATURES, gen_kwargs={"dataset": dataset, "options": options}
+        _packed_rows, features=datasets.Features(dict.fromkeys(names, _TOKENS)),
+        gen_kwargs={"dataset": dataset, "options": options},
     )
 
 
@@ -121,22 +128,22 @@ def _emit(buffer, options, round_index, bin_tokens, *, final):
     for b, documents in enumerate(bins):
         if b not in carried_bins:
             bin_tokens.append(int(lengths[documents].sum()))
-            yield _row([buffer[d] for d in documents])
+            yield _row([buffer[d] for d in documents], options)
     return [buffer[d] for b in sorted(carried_bins) for d in bins[b]]
 
 
-def _row(documents: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[int]]:
+def _row(documents: list[tuple[np.ndarray, np.ndarray]], options: dict) -> dict[str, list[int]]:
     seq_lengths = np.array([len(ids) for ids, _ in documents], dtype=np.int32)
     labels = np.concatenate([labels for _, labels in documents])
     starts = np.cumsum(seq_lengths) - seq_lengths
     labels[starts] = IGNORE_INDEX
     # Plain lists: `from_generator` hands rows on as they are, and users expect what a map-style dataset yields.
-    return {
-        "input_ids": np.concatenate([ids for ids, _ in documents]).tolist(),
-        "labels": labels.tolist(),
-        "position_ids": (np.arange(int(seq_lengths.sum())) - np.repeat(starts, seq_lengths)).tolist(),
-        "seq_lengths": seq_lengths.tolist(),
-    }
+    row = {"input_ids": np.concatenate([ids for ids, _ in documents]).tolist()}
+    if options["keeps_labels"]:
+        row["labels"] = labels.tolist()
+    if options["return_position_ids"]:
+        row["position_ids"] = (np.arange(int(seq_lengths.sum())) - np.repeat(starts, seq_lengths)).tolist()
+    return {**row, "seq_lengths": seq_lengths.tolist()}
 
 
 def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,13 +176,13 @@ def _integers(values, name: str, row: int, expected_length: int | None = None) -
         )
     if not is_mask and array.size:
         # The packed columns are int32, as in map-style packing: a value outside would wrap silently.
-        allowed = (array >= 0) & (array <= _INT32_MAX)
+        allowed = (array >= 0) & (array <= INT32_MAX)
         if name == "labels":
             allowed |= array == IGNORE_INDEX
         if not allowed.all():
             also = "" if name == "input_ids" else f"; labels may also be {IGNORE_INDEX} (not trained on)"
             raise PackingValueError(
-                f"{name!r} of example {row} holds {array[~allowed][0].item()!r}: token ids are in [0, {_INT32_MAX}]"
+                f"{name!r} of example {row} holds {array[~allowed][0].item()!r}: token ids are in [0, {INT32_MAX}]"
                 f"{also}. Fix that example's tokenization."
             )
     return array.astype(np.int32)

@@ -49,12 +49,7 @@ from llm_packing import dataset as dataset_module
 
 
 SMALL = {"input_ids": [[1, 2, 3], [4, 5], [6]]}
-SMALL_PACKED = {
-    "input_ids": [[1, 2, 3, 6], [4, 5]],
-    "labels": [[-100, 2, 3, -100], [-100, 5]],
-    "position_ids": [[0, 1, 2, 0], [0, 1]],
-    "seq_lengths": [[3, 1], [2]],
-}
+SMALL_PACKED = {"input_ids": [[1, 2, 3, 6], [4, 5]], "seq_lengths": [[3, 1], [2]]}  # the collator derives the rest
 ROWS = [
     {"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, -100, 4, 5], "seq_lengths": [2, 3]},
     {"input_ids": [6, 7], "seq_lengths": [2]},
@@ -225,7 +220,7 @@ class TestEmpty:
     def test_empty_datasets_pack_to_zero_rows_with_the_usual_columns(self, make):
         packed, stats = pack_dataset(make(), 4, return_stats=True)
         assert len(packed) == 0 and stats.num_bins == 0
-        assert packed.column_names == ["input_ids", "labels", "position_ids", "seq_lengths"]
+        assert packed.column_names == ["input_ids", "seq_lengths"]
 
     def test_empty_split_and_empty_stream(self):
         splits = DatasetDict({"train": Dataset.from_dict(SMALL), "test": Dataset.from_dict({"input_ids": []})})

@@ -26,3 +26,16 @@ def test_train_throughput_tiny(tmp_path):
     skipped = [row for row in rows if "skipped" in row]
     assert all("flex_attention" in row for row in skipped), skipped
     assert "exit code" not in report
+
+
+@pytest.mark.slow
+def test_pack_dataset_speed_tiny(tmp_path):
+    script = os.path.join(os.path.dirname(BENCHMARK), "pack_dataset_speed.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(script)),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, script, "--data", str(tmp_path / "corpus.arrow"), "--rows", "3000",
+                    "--repeats", "1", "--output", str(tmp_path / "report.md")], check=True, capture_output=True,
+                   env=env)
+    rows = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| ") and
+            "packer" not in line]
+    assert len(rows) == 2 and all("| yes |" in row and "input_ids, seq_lengths (file)" in row for row in rows)

@@ -13,20 +13,21 @@ from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooL
 
 
 SMALL = {"input_ids": [[1, 2, 3], [4, 5], [6]]}
-INT32_LISTS = {name: datasets.List(datasets.Value("int32"))
-               for name in ("input_ids", "labels", "position_ids", "seq_lengths")}
+INT32_LISTS = {name: datasets.List(datasets.Value("int32")) for name in ("input_ids", "seq_lengths")}
 
 
 def documents_out(rows):
-    """(tokens, labels after the first) of every packed document; checks the per-row invariants on the way."""
+    """(tokens, labels after the first) of every packed document; checks the per-row invariants on the way. Rows
+    without `labels` train on their `input_ids`, as the collators do; `position_ids` are checked where stored."""
     out = []
     for row in rows:
         bounds = np.cumsum([0, *row["seq_lengths"]])
-        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == bounds[-1]
+        labels, positions = row.get("labels", row["input_ids"]), row.get("position_ids")
+        assert len(row["input_ids"]) == len(labels) == len(positions or labels) == bounds[-1]
         for start, end in zip(bounds[:-1], bounds[1:]):
-            assert row["position_ids"][start:end] == list(range(end - start))
-            assert row["labels"][start] == -100
-            out.append((tuple(row["input_ids"][start:end]), tuple(row["labels"][start + 1 : end])))
+            assert positions is None or positions[start:end] == list(range(end - start))
+            assert "labels" not in row or row["labels"][start] == -100
+            out.append((tuple(row["input_ids"][start:end]), tuple(labels[start + 1 : end])))
     return sorted(out)
 
 
@@ -46,12 +47,7 @@ def documents_expected(input_ids, labels, max_length, overflow):
 class TestPackDataset:
     def test_hand_example(self):
         packed = pack_dataset(Dataset.from_dict(SMALL), 4)
-        assert packed.to_dict() == {
-            "input_ids": [[1, 2, 3, 6], [4, 5]],
-            "labels": [[-100, 2, 3, -100], [-100, 5]],
-            "position_ids": [[0, 1, 2, 0], [0, 1]],
-            "seq_lengths": [[3, 1], [2]],
-        }
+        assert packed.to_dict() == {"input_ids": [[1, 2, 3, 6], [4, 5]], "seq_lengths": [[3, 1], [2]]}
         assert packed.features == datasets.Features(INT32_LISTS)
 
     def test_masks_become_labels_and_other_columns_are_dropped(self):
@@ -69,11 +65,11 @@ class TestPackDataset:
 
     def test_more_than_32767_documents_per_row(self):
         ds = Dataset.from_dict({"input_ids": [[i % 100] for i in range(40_000)]})
-        packed = pack_dataset(ds, 40_000)
-        assert packed.features == datasets.Features(INT32_LISTS)
+        packed = pack_dataset(ds, 40_000, return_position_ids=True)
+        assert packed.features == datasets.Features({**INT32_LISTS, "position_ids": INT32_LISTS["input_ids"]})
         row = packed.with_format("numpy")[0]
         assert len(row["seq_lengths"]) == 40_000
-        assert (row["position_ids"] == 0).all() and (row["labels"] == -100).all()
+        assert (row["position_ids"] == 0).all()
 
     def test_nothing_left(self):
         packed, stats = pack_dataset(Dataset.from_dict({"input_ids": [[], [1, 2, 3]]}), 2, overflow="drop",
@@ -133,7 +129,8 @@ class TestOverflow:
         assert (stats.empty_sequences, stats.num_tokens) == (1, num_tokens)
 
     def test_split_chunks_are_separate_documents(self):
-        packed = pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5]]}), 2, overflow="split")
+        packed = pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5]]}), 2, overflow="split",
+                              return_position_ids=True)
         assert sorted(map(tuple, packed["input_ids"])) == [(1, 2), (3, 4), (5,)]
         assert sorted(map(tuple, packed["position_ids"])) == [(0,), (0, 1), (0, 1)]
 

@@ -1,0 +1,125 @@
+"""Where packed rows go: an Arrow file in the `datasets` cache, written chunk by chunk, or a table kept in memory.
+
+The rules are those of `Dataset.map`: an input with cache files gets its output beside them, named by a fingerprint
+of the input's fingerprint and the packing options, and a later call with the same ones loads that file instead of
+packing again; `keep_in_memory=True` keeps the rows in memory; `cache_file_name` names the file; an in-memory input
+without `cache_file_name` stays in memory; with caching disabled (`datasets.disable_caching()`) files go to a
+temporary directory and are never reloaded. `LAYOUT_VERSION` is part of the fingerprint and of the file name, so a
+file written with another column layout is never read as this one.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+
+import datasets
+import pyarrow as pa
+from datasets.fingerprint import Hasher
+
+from .stats import PackingStats
+
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 2  # 1: input_ids, labels, position_ids, seq_lengths always, in memory; 2: lean columns, cached
+_METADATA_KEY = b"llm_packing"
+_ROWS_PER_RECORD_BATCH = 1000  # as `.map` writes them
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """The file the packed rows go to (`None`: kept in memory), and whether an existing one may be loaded."""
+
+    path: str | None
+    fingerprint: str
+    load_from_cache_file: bool
+
+
+def destination(dataset: datasets.Dataset, options: dict, *, keep_in_memory: bool, cache_file_name: str | None,
+                load_from_cache_file: bool | None) -> Destination:
+    """Where to pack `dataset` with `options` (every option that changes the rows), following `Dataset.map`."""
+    fingerprint = Hasher.hash((LAYOUT_VERSION, dataset._fingerprint, dataset.split, sorted(options.items())))
+    caching = datasets.is_caching_enabled()
+    load = caching if load_from_cache_file is None else load_from_cache_file
+    if keep_in_memory:
+        return Destination(None, fingerprint, False)
+    if cache_file_name is not None:
+        return Destination(cache_file_name, fingerprint, load)
+    if not dataset.cache_files:
+        return Destination(None, fingerprint, False)
+    if not caching:
+        directory = datasets.fingerprint.get_temporary_cache_files_directory()
+        name = f"cache-{datasets.fingerprint.generate_random_fingerprint()}.arrow"  # never reloaded, as in `.map`
+        return Destination(os.path.join(directory, name), fingerprint, False)
+    directory = os.path.dirname(dataset.cache_files[0]["filename"])
+    name = f"cache-llm_packing-v{LAYOUT_VERSION}-{fingerprint}.arrow"
+    return Destination(os.path.join(directory, name), fingerprint, load)
+
+
+def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingStats] | None:
+    """The packed dataset and its stats from `target.path`, if it may be loaded and was written by this layout."""
+    if not (target.load_from_cache_file and target.path and os.path.exists(target.path)):
+        return None
+    table = datasets.table.MemoryMappedTable.from_file(target.path)
+    metadata = json.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
+    if metadata.get("layout") != LAYOUT_VERSION:  # a file of another layout under a name given by the user
+        return None
+    logger.info("Loading cached packed dataset at %s", target.path)
+    stats = PackingStats(**metadata["stats"])
+    return _dataset(table, split, target.fingerprint), stats
+
+
+class PackedWriter:
+    """
+    Collects the packed rows chunk by chunk: each chunk is written to `target.path` at once (through a temporary file,
+    renamed when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`.
+    """
+
+    def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
+        self.target = target
+        metadata = {**(schema.metadata or {}), _METADATA_KEY: json.dumps(
+            {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
+        self.schema = schema.with_metadata(metadata)
+        self._tables = []
+        self._writer = None
+        if target.path is not None:
+            directory = os.path.dirname(os.path.abspath(target.path))
+            os.makedirs(directory, exist_ok=True)
+            handle, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            os.close(handle)
+            self._file = pa.OSFile(self._temporary, "wb")  # native writes: a Python file object copies every chunk
+            self._writer = pa.ipc.new_stream(self._file, self.schema)
+
+    @property
+    def reuses_buffers(self) -> bool:
+        """Whether a chunk's arrays may be overwritten once `write` returns (they are on disk, not held)."""
+        return self._writer is not None
+
+    def write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            self._tables.append(table)
+        else:
+            self._writer.write_table(table, max_chunksize=_ROWS_PER_RECORD_BATCH)
+
+    def finish(self, split) -> datasets.Dataset:
+        if self._writer is None:
+            table = pa.concat_tables(self._tables) if self._tables else self.schema.empty_table()
+            return _dataset(datasets.table.InMemoryTable(table.replace_schema_metadata(self.schema.metadata)), split,
+                            self.target.fingerprint)
+        self._writer.close()
+        self._file.close()
+        os.replace(self._temporary, self.target.path)
+        return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._file.close()
+            os.remove(self._temporary)
+
+
+def _dataset(table, split, fingerprint: str) -> datasets.Dataset:
+    info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(table.schema))
+    # An explicit fingerprint: datasets would otherwise hash every packed token of an in-memory table to make one.
+    return datasets.Dataset(table, info=info, split=split, fingerprint=fingerprint)

@@ -1,0 +1,218 @@
+"""`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
+
+from types import SimpleNamespace
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from llm_packing import dataset as dataset_module
+from llm_packing import packed_cache, token_columns
+from llm_packing.collator import DataCollatorWithPacking
+from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
+from llm_packing.errors import PackingValueError
+
+
+def random_columns(num_rows=60, seed=0, labels=True, masks=True):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 30, num_rows)
+    columns = {"input_ids": [rng.integers(0, 1000, n).tolist() for n in lengths]}
+    if labels:
+        columns["labels"] = [np.where(rng.random(n) < 0.3, -100, ids).tolist()
+                             for n, ids in zip(lengths, columns["input_ids"])]
+    if masks:
+        columns["completion_mask"] = [(rng.random(n) < 0.8).astype(int).tolist() for n in lengths]
+        columns["assistant_masks"] = [(rng.random(n) < 0.9).tolist() for n in lengths]  # booleans: Arrow packs bits
+    columns["text"] = ["x"] * num_rows
+    return columns
+
+
+def mapped(tmp_path, columns, rows_per_batch=7, name="documents.arrow") -> Dataset:
+    """`columns` as a memory-mapped cache file of `rows_per_batch`-row record batches, as `.map` writes them."""
+    table = Dataset.from_dict(columns).data.table
+    path = str(tmp_path / name)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=rows_per_batch)
+    return Dataset.from_file(path)
+
+
+class TestMemoryMappedInput:
+    @pytest.mark.parametrize("chunk", [5, 1 << 20])
+    def test_same_rows_as_in_memory(self, tmp_path, monkeypatch, chunk):
+        # `chunk` 5: every row its own written chunk (rows are longer), so chunk bounds are exercised.
+        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
+        columns = random_columns()
+        ds = mapped(tmp_path, columns)
+        assert ds.data.table.column("input_ids").num_chunks == 9 and ds.cache_files
+        for overflow in ("split", "truncate", "drop"):
+            expected = pack_dataset(Dataset.from_dict(columns), 20, overflow=overflow, seed=3,
+                                    return_position_ids=True)
+            packed = pack_dataset(ds, 20, overflow=overflow, seed=3, return_position_ids=True)
+            assert packed.column_names == ["input_ids", "labels", "position_ids", "seq_lengths"]
+            assert packed.to_dict() == expected.to_dict()
+            assert packed.cache_files and expected.cache_files == []
+
+    def test_labels_and_masks_are_applied(self, tmp_path):
+        ds = mapped(tmp_path, {"input_ids": [[1, 2, 3], [4, 5]], "labels": [[1, -100, 3], [4, 5]],
+                               "assistant_masks": [[True, True, False], [True, True]]}, rows_per_batch=1)
+        assert pack_dataset(ds, 5).to_dict()["labels"] == [[-100, -100, -100, -100, 5]]
+
+    def test_the_token_column_is_not_copied(self, tmp_path):
+        # combine_chunks of the tokens would hold 4 bytes per token from Arrow's pool; the lengths take 8 per row.
+        ds = mapped(tmp_path, {"input_ids": [list(range(500))] * 400}, rows_per_batch=10)
+        before = pa.total_allocated_bytes()
+        documents = dataset_module._Documents(ds, 500, "error")
+        assert pa.total_allocated_bytes() - before < 500 * 400 * 4 // 10
+        assert documents.input_ids.take(np.array([documents.input_ids.row_start[399] + 7])).tolist() == [7]
+
+    def test_errors_name_the_row_across_chunks(self, tmp_path):
+        columns = {"input_ids": [[1, 2]] * 20, "labels": [[1, 2]] * 19 + [[1, -7]]}
+        with pytest.raises(PackingValueError, match=r"'labels' in row 19 holds -7"):
+            pack_dataset(mapped(tmp_path, columns, rows_per_batch=3), 4)
+
+
+class TestLeanColumns:
+    @pytest.mark.parametrize(
+        "extra, kept",
+        [
+            ({"labels": [[1, 2, 3], [4, 5]]}, False),  # the ids themselves
+            ({"labels": [[-100, 2, 3], [-100, 5]]}, False),  # -100 on each first token: what the collator sets
+            ({"completion_mask": [[0, 1, 1], [1, 1]]}, False),
+            ({"labels": [[1, -100, 3], [4, 5]]}, True),
+            ({"labels": [[1, 2, 9], [4, 5]]}, True),
+            ({"assistant_masks": [[1, 1, 1], [1, 0]]}, True),
+        ],
+    )
+    def test_labels_only_when_they_say_more(self, extra, kept):
+        packed = pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], **extra}), 8)
+        assert ("labels" in packed.column_names) == kept
+
+    @pytest.mark.parametrize("padding_free", [False, True])
+    def test_collators_derive_what_is_left_out(self, padding_free):
+        columns = random_columns(labels=False, masks=False)
+        ds = Dataset.from_dict({"input_ids": [ids for ids in columns["input_ids"] if ids]})
+        lean = pack_dataset(ds, 40).to_list()
+        full = [{**row, "labels": row["input_ids"][:]} for row in pack_dataset(ds, 40, return_position_ids=True)]
+        for row in full:
+            for start in np.cumsum([0, *row["seq_lengths"][:-1]]):
+                row["labels"][start] = -100
+        assert lean[0].keys() == {"input_ids", "seq_lengths"}
+        collators = [DataCollatorWithPacking(padding_free=padding_free, check_model_configured=False)]
+        if padding_free:  # TRL's other layout ignores `seq_lengths`: one document would attend to the next
+            collators.append(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True))
+        for collator in collators:
+            ours, theirs = collator(lean), collator(full)
+            assert ours.keys() == theirs.keys()
+            for key in ours:
+                assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(theirs[key])), key
+            assert ours["position_ids"][0, : len(full[0]["position_ids"])].tolist() == full[0]["position_ids"]
+
+    def test_streams_follow_their_declared_features(self):
+        stream = Dataset.from_dict({"input_ids": [[1, 2], [3]]}).to_iterable_dataset()
+        assert list(pack_dataset(stream, 4)) == [{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]
+        labelled = Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]}).to_iterable_dataset()
+        assert list(pack_dataset(labelled, 4))[0]["labels"] == [-100, 2]
+
+class TestCache:
+    def test_second_call_loads_the_cache_file(self, tmp_path, monkeypatch):
+        ds = mapped(tmp_path, random_columns())
+        packed, stats = pack_dataset(ds, 20, overflow="split", return_stats=True)
+        [cache_file] = packed.cache_files
+        assert cache_file["filename"].startswith(str(tmp_path / f"cache-llm_packing-v{packed_cache.LAYOUT_VERSION}-"))
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("packed again instead of loading the cache")
+
+        monkeypatch.setattr(dataset_module, "_Documents", refuse)
+        again, again_stats = pack_dataset(ds, 20, overflow="split", return_stats=True)
+        assert again.to_dict() == packed.to_dict() and again_stats == stats
+        assert again._fingerprint == packed._fingerprint
+        with pytest.raises(AssertionError, match="packed again"):
+            pack_dataset(ds, 20, overflow="split", load_from_cache_file=False)
+        for changed in (dict(max_length=21), dict(seed=1), dict(overflow="drop"), dict(return_position_ids=True),
+                        dict(max_docs_per_bin=3), dict(strategy="ffd")):
+            with pytest.raises(AssertionError, match="packed again"):
+                pack_dataset(ds, **{"max_length": 20, "overflow": "split", **changed})
+
+    def test_keep_in_memory_and_in_memory_input_write_no_file(self, tmp_path):
+        assert pack_dataset(mapped(tmp_path, random_columns()), 40, keep_in_memory=True).cache_files == []
+        assert pack_dataset(Dataset.from_dict(random_columns()), 40).cache_files == []
+        assert list(tmp_path.iterdir()) == [tmp_path / "documents.arrow"]
+
+    def test_cache_file_name(self, tmp_path, monkeypatch):
+        path = str(tmp_path / "packed.arrow")
+        packed = pack_dataset(Dataset.from_dict(random_columns()), 40, cache_file_name=path)
+        assert packed.cache_files[0]["filename"] == path
+        monkeypatch.setattr(dataset_module, "_Documents", None)  # loading must not read the documents
+        assert pack_dataset(Dataset.from_dict(random_columns()), 40, cache_file_name=path).to_dict() == \
+            packed.to_dict()
+        with pytest.raises(PackingValueError, match=r"`cache_file_name`='x.arrow' names one file.*per split"):
+            pack_dataset(DatasetDict({"train": Dataset.from_dict(random_columns())}), 40, cache_file_name="x.arrow")
+
+    def test_a_file_of_another_layout_is_never_read(self, tmp_path, monkeypatch):
+        ds = mapped(tmp_path, random_columns())
+        named = str(tmp_path / "named.arrow")
+        monkeypatch.setattr(packed_cache, "LAYOUT_VERSION", 1)
+        old = pack_dataset(ds, 40)
+        pack_dataset(ds, 40, cache_file_name=named)
+        monkeypatch.setattr(packed_cache, "LAYOUT_VERSION", 2)
+        calls = []
+        real = dataset_module._Documents
+        monkeypatch.setattr(dataset_module, "_Documents", lambda *args: calls.append(args) or real(*args))
+        new = pack_dataset(ds, 40)
+        assert new.cache_files[0]["filename"] != old.cache_files[0]["filename"] and "-v2-" in \
+            new.cache_files[0]["filename"]
+        pack_dataset(ds, 40, cache_file_name=named)  # same name, older layout inside: packed again, overwritten
+        assert len(calls) == 2
+
+    def test_caching_disabled_packs_to_a_temporary_file(self, tmp_path, monkeypatch):
+        ds = mapped(tmp_path, random_columns())
+        datasets.disable_caching()
+        try:
+            first, second = pack_dataset(ds, 40), pack_dataset(ds, 40)
+        finally:
+            datasets.enable_caching()
+        assert first.cache_files[0]["filename"] != second.cache_files[0]["filename"]
+        assert not first.cache_files[0]["filename"].startswith(str(tmp_path))
+        assert first.to_dict() == second.to_dict()
+
+    def test_epochs_each_get_a_cache_file(self, tmp_path):
+        epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
+        files = {epochs.repack(epoch).cache_files[0]["filename"] for epoch in (0, 1, 0)}
+        assert len(files) == 2
+
+
+
+class _FakeValues:
+    offset = 1
+
+    def __init__(self, address, size):
+        self._buffer = SimpleNamespace(address=address, size=size)
+
+    def buffers(self):
+        return [None, self._buffer]
+
+    def __len__(self):
+        return 1
+
+
+class _FakeChunk:
+    """A list chunk whose values buffer lies at `address` (only what `_span` reads)."""
+
+    def __init__(self, address, offsets):
+        self.values = _FakeValues(address, 4 * offsets[-1])
+        self.offsets = pa.array(np.array(offsets, np.int32))
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+
+def test_row_starts_past_int32():
+    # A 16 GiB corpus: chunks 8 GiB apart put row starts past 2**31 values, while list offsets are int32.
+    chunks = [_FakeChunk(1 << 20, [0, 2, 5]), _FakeChunk((1 << 20) + (8 << 30), [0, 3])]
+    _, row_start = token_columns._span(chunks, np.dtype(np.int32), False, 3)
+    assert row_start.tolist() == [1, 3, (8 << 30) // 4 + 1]
