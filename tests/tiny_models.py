@@ -7,7 +7,7 @@ per-architecture exceptions. Sliding windows and attention chunks are shrunk to 
 """
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
 WINDOW = 4
@@ -54,25 +54,52 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_moe": _SLIDING_ON,
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
+    # Fields left None by the defaults (the real checkpoints set them), so the generic shrink does not touch them.
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {**_SLIDING_ON, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    "ministral": {"head_dim": 16},
+    "nemotron": {"num_key_value_heads": 2},
+    "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2, "moe_topk": 2},
+    # Partial rotary over part of each 16-dim head; GPT-Neo's local layers window over 4 tokens.
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "gpt_neo": {"num_heads": 4, "attention_layers": ["local", "global"], "window_size": WINDOW},
 }
 
 
 def tiny_config(model_type: str, **overrides):
-    """The tiny config of `model_type`: the generic shrink, then `ARCH_OVERRIDES[model_type]`, then `overrides`."""
-    default = AutoConfig.for_model(model_type)
-    fields = default.to_dict()
-    fields.update(getattr(default, "attribute_map", {}))
+    """The tiny config of `model_type`: the generic shrink (of nested text/vision/... configs too), then
+    `ARCH_OVERRIDES[model_type]`, then `overrides`; a dict given for a nested config updates that config's fields."""
+    values = _shrunk_fields(AutoConfig.for_model(model_type))
+    for name, value in {**ARCH_OVERRIDES.get(model_type, {}), **overrides}.items():
+        nested = isinstance(value, dict) and isinstance(values.get(name), dict)
+        values[name] = {**values[name], **value} if nested else value
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _shrunk_fields(config) -> dict:
+    """The fields of `config` that the generic shrink changes; a nested config becomes a dict of all its fields."""
+    fields = config.to_dict()
+    fields.update(getattr(config, "attribute_map", {}))
     values = {name: value for name, value in _SHRINK.items() if name in fields and fields.get(name) is not None}
-    if "qk_rope_head_dim" in fields:
-        values.pop("head_dim", None)
+    if "kv_lora_rank" in fields:
+        # Multi-head latent attention: rotary acts on `qk_rope_head_dim` (what `head_dim` means there) and the latent
+        # is expanded to one key/value head per query head.
+        values["num_key_value_heads"] = values.get("num_attention_heads", 4)
+        if "head_dim" in fields:
+            values["head_dim"] = _SHRINK["qk_rope_head_dim"]
     if fields.get("layer_types"):
         values["layer_types"] = _tiny_layer_types(fields["layer_types"])
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
             values[token] = 0
-    values.update(ARCH_OVERRIDES.get(model_type, {}))
-    values.update(overrides)
-    return AutoConfig.for_model(model_type, **values)
+    for name in [name for name, value in fields.items() if isinstance(value, dict)]:
+        nested = getattr(config, name, None)
+        if isinstance(nested, PretrainedConfig):
+            values[name] = {**nested.to_dict(), **_shrunk_fields(nested)}
+    return values
 
 
 def _tiny_layer_types(default_layer_types):
