@@ -58,6 +58,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "deepseek_v3",
         "diffllama",
         "dots1",
+        "emu3",
         "ernie4_5",
         "ernie4_5_moe",
         "exaone4",
@@ -67,7 +68,12 @@ VERIFIED_MODEL_TYPES = frozenset(
         "flint",
         "gemma",
         "gemma2",
+        "gemma3",
         "gemma3_text",
+        "gemma3n_text",
+        "gemma4",
+        "gemma4_text",
+        "gemma4_unified",
         "gemma4_unified_text",
         "glm",
         "glm4",
@@ -111,6 +117,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "ministral3",
         "mistral",
         "mixtral",
+        "mllama",
         "modernbert-decoder",
         "moshi",
         "mpt",
@@ -164,20 +171,13 @@ _REFUSED_CANDIDATES: dict[str, str] = {
     "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "dots3_note_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
-    "emu3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
-    "gemma3": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "gemma3n": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "gemma3n_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "gemma4": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "gemma4_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "gemma4_unified": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "git": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "glm_moe_dsa": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "marian": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
     "mbart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
     "megatron-bert": "fails the parity matrix: packed logits differ from separate documents by 3.2e-01 (eager)",
-    "mllama": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "musicgen": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "musicgen_melody": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "mvp": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager)",
@@ -329,13 +329,16 @@ def require_supported(config) -> None:
 
     Args:
         config ([`~transformers.PretrainedConfig`]):
-            The model's config; its `model_type` and `layer_types` are checked.
+            The model's config; its `model_type` (for the text config of a multimodal model, the causal LM type of
+            its package: `mllama_text_model` -> `mllama`) and `layer_types` are checked.
 
     Raises:
         `UnsupportedSetupError`: the model type is not in [`supported_model_types`], or its `layer_types` holds
             non-attention layers (linear attention, mamba, conv, ...). The message names the type and the reason.
     """
-    model_type = getattr(config, "model_type", None)
+    from .multimodal import causal_lm_model_type
+
+    model_type = causal_lm_model_type(config)
     reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
     backend = getattr(config, "_attn_implementation", None)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:

@@ -39,6 +39,8 @@ _SHRINK = {
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "vocab_size": VOCAB_SIZE,
+    "vocab_size_per_layer_input": VOCAB_SIZE,
+    "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
     "sliding_window": WINDOW,
     "attention_chunk_size": WINDOW,
@@ -54,6 +56,18 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_moe": _SLIDING_ON,
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
+    # Gemma 4's full-attention layers get a wider head (512 by default) through `global_head_dim`.
+    "gemma4_text": {"global_head_dim": 32},
+    "gemma4": {"text_config": {"global_head_dim": 32}},
+    "gemma4_unified": {"text_config": {"global_head_dim": 32}},
+    # Gemma 3n reuses the key/value cache of earlier layers in its last `num_kv_shared_layers`: four layers, so that
+    # a sliding and a full layer share those of the first two.
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "laurel_rank": 8,
+    },
     # Fields left None by the defaults (the real checkpoints set them), so the generic shrink does not touch them.
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {**_SLIDING_ON, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
@@ -99,6 +113,8 @@ def _shrunk_fields(config) -> dict:
         nested = getattr(config, name, None)
         if isinstance(nested, PretrainedConfig):
             values[name] = {**nested.to_dict(), **_shrunk_fields(nested)}
+            # Indexed by the default's layers; the nested config rebuilds it for the tiny `layer_types`.
+            values[name].pop("per_layer_config", None)
     return values
 
 
