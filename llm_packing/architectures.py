@@ -22,7 +22,9 @@ from .errors import UnsupportedSetupError
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 # Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
 # conv, recurrent, ...) keeps a state across the whole row and would leak one document into the next.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
+)
 # Backends the parity matrix runs on CPU. FlashAttention goes through tests/test_flash_path.py's reference kernel: every
 # supported architecture on flash_attention_2, a sample on flash_attention_3 (the same transformers code path).
 MATRIX_BACKENDS = ("eager", "sdpa", "flex_attention")
@@ -45,6 +47,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "arcee",
         "aria_text",
         "axk1",
+        "axk2",
         "beam",
         "biogpt",
         "bitnet",
@@ -52,12 +55,16 @@ VERIFIED_MODEL_TYPES = frozenset(
         "cohere",
         "cohere2",
         "cohere2_moe",
+        "cohere_compass_text",
         "ctrl",
         "cwm",
+        "dbrx",
         "deepseek_v2",
         "deepseek_v3",
+        "deepseek_v32",
         "diffllama",
         "dots1",
+        "dots3_note_text",
         "emu3",
         "ernie4_5",
         "ernie4_5_moe",
@@ -75,10 +82,12 @@ VERIFIED_MODEL_TYPES = frozenset(
         "gemma4_text",
         "gemma4_unified",
         "gemma4_unified_text",
+        "git",
         "glm",
         "glm4",
         "glm4_moe",
         "glm4_moe_lite",
+        "glm_moe_dsa",
         "gpt-sw3",
         "gpt2",
         "gpt_bigcode",
@@ -97,6 +106,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "hunyuan_v1_dense",
         "hunyuan_v1_moe",
         "hy_v3",
+        "hy_v4",
         "hyperclovax",
         "internlm3",
         "iquestcoder",
@@ -153,8 +163,6 @@ VERIFIED_MODEL_TYPES = frozenset(
 _REFUSED_CANDIDATES: dict[str, str] = {
     "deepseek_v4": "`layer_types` holds 'heavily_compressed_attention' layers that the parity matrix has not verified",
     "doge": "fails the parity matrix on flex_attention: packed logits differ from separate documents by 5.6e-01",
-    "hy_v4": "`layer_types` holds 'indexed_attention' (a sparse key indexer) that the parity matrix has not verified",
-    "axk2": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "bart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
     "bert": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
     "bert-generation": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
@@ -164,17 +172,11 @@ _REFUSED_CANDIDATES: dict[str, str] = {
     "blenderbot-small": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
     "bloom": "fails the parity matrix: packed logits differ from separate documents by 1.0e-02 (eager)",
     "camembert": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
-    "cohere_compass_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "data2vec-text": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
-    "dbrx": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "deepseek_v32": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "dots3_note_text": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
     "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
     "gemma3n": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "git": "not verified: no tiny random model of it builds offline in the parity matrix yet",
-    "glm_moe_dsa": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "marian": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
     "mbart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
     "megatron-bert": "fails the parity matrix: packed logits differ from separate documents by 3.2e-01 (eager)",

@@ -43,6 +43,10 @@ _SHRINK = {
     "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
     "sliding_window": WINDOW,
+    # Sparse attention: the key indexer keeps 3 keys per query, fewer than most documents have.
+    "index_topk": 3,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
     "attention_chunk_size": WINDOW,
 }
 
@@ -76,6 +80,14 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "ministral": {"head_dim": 16},
     "nemotron": {"num_key_value_heads": 2},
     "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2, "moe_topk": 2},
+    # DbrxAttention reads `rope_theta` and clamps with `clip_qkv` (8 in the checkpoint) from its attention sub-config,
+    # whose defaults lack the one and leave the other None.
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2}},
+    # Rotary parameters are per layer kind and empty by default (the checkpoints set them).
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")},
+    },
     # Partial rotary over part of each 16-dim head; GPT-Neo's local layers window over 4 tokens.
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
@@ -112,10 +124,21 @@ def _shrunk_fields(config) -> dict:
     for name in [name for name, value in fields.items() if isinstance(value, dict)]:
         nested = getattr(config, name, None)
         if isinstance(nested, PretrainedConfig):
-            values[name] = {**nested.to_dict(), **_shrunk_fields(nested)}
-            # Indexed by the default's layers; the nested config rebuilds it for the tiny `layer_types`.
-            values[name].pop("per_layer_config", None)
+            values[name] = _nested_fields(nested)
     return values
+
+
+def _nested_fields(config) -> dict:
+    """All fields of a nested config, shrunk, less the per-layer ones the shrink does not rewrite (`per_layer_config`,
+    `mlp_layer_types`, ...): sized for the default's layers, they are rebuilt by the config for the tiny ones."""
+    shrunk = _shrunk_fields(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    per_layer = {
+        name
+        for name, value in config.to_dict().items()
+        if name == "per_layer_config" or (isinstance(value, list) and len(value) == layers and name not in shrunk)
+    }
+    return {name: value for name, value in {**config.to_dict(), **shrunk}.items() if name not in per_layer}
 
 
 def _tiny_layer_types(default_layer_types):
