@@ -52,7 +52,12 @@ _SHRINK = {
 
 # Per-architecture exceptions: fields whose generic value does not fit, or switches that turn a feature on (sliding
 # windows that are off by default, softcapping) so that the parity matrix exercises it.
-_SLIDING_ON = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1, "layer_types": ["sliding_attention", "full_attention"]}
+_SLIDING_ON = {
+    "sliding_window": WINDOW,
+    "use_sliding_window": True,
+    "max_window_layers": 1,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -82,11 +87,24 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2, "moe_topk": 2},
     # DbrxAttention reads `rope_theta` and clamps with `clip_qkv` (8 in the checkpoint) from its attention sub-config,
     # whose defaults lack the one and leave the other None.
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2}},
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2},
+    },
     # Rotary parameters are per layer kind and empty by default (the checkpoints set them).
     "cohere_compass_text": {
         "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")},
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    # The audio and vision towers' own widths and sizes, which the generic shrink does not know.
+    "phi4_multimodal": {
+        "audio_config": {
+            "num_blocks": 2,
+            **dict.fromkeys(("depthwise_separable_out_channel", "ext_pw_out_channel", "nemo_conv_channels"), 64),
+        },
+        "vision_config": {"image_size": 28, "crop_size": 28},
     },
     # Partial rotary over part of each 16-dim head; GPT-Neo's local layers window over 4 tokens.
     "codegen": {"rotary_dim": 8},
@@ -157,7 +175,9 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides):
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
-        raise ValueError(f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides")
+        raise ValueError(
+            f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides"
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()
