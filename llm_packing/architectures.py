@@ -163,6 +163,10 @@ _MUSICGEN = (
     "AutoModelForCausalLM cannot build it from its own config (the CausalLM class reads decoder fields from the "
     "composite config); an audio-token decoder, not a text LM"
 )
+_ASSISTANT = (
+    "a speculative-decoding assistant: it attends bidirectionally (create_bidirectional_mask) over the key/value "
+    "states its target model shares with it, so it is not a causal decoder that packing could train on its own"
+)
 # Candidates that the matrix cannot prove, by hand, with the reason. Types outside the candidate set get their reason
 # from the source scan (see `refusal_reason`).
 _REFUSED_CANDIDATES: dict[str, str] = {
@@ -184,6 +188,8 @@ _REFUSED_CANDIDATES: dict[str, str] = {
     "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
     "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
+    "gemma4_assistant": _ASSISTANT,
+    "gemma4_unified_assistant": _ASSISTANT,
     "gemma3n": (
         "not verified: its vision tower needs timm (not installed for the tests); gemma3n_text, its language model, "
         "is supported"
