@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _compat
+from . import _compat, multimodal
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
@@ -70,6 +70,10 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
             attention backend without a packed mask path, ...). Nothing is patched and the model keeps its backend.
         `IncompatibleTransformersError`: the installed transformers lacks an internal the hook needs.
         `PackingTypeError`: `model_or_config` is neither a model nor a config.
+
+    A multimodal model trained on text (`Gemma3ForConditionalGeneration`, `MllamaForCausalLM`, ...) is supported as
+    the parity matrix proved it, on text-only batches: a packed forward that carries images, video or audio raises
+    `UnsupportedSetupError`.
     """
     from .architectures import require_supported
 
@@ -97,6 +101,7 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
         raise
     _import_modeling_module(config)
     _patch_all()
+    multimodal.guard_media_inputs(model_or_config)
     return model_or_config
 
 
@@ -115,6 +120,7 @@ def _set_backend(model_or_config, config, backend: str) -> None:
 
 def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
+    multimodal.remove_media_guards()
     if not _originals:
         return
     from transformers import masking_utils
@@ -347,7 +353,7 @@ def _import_modeling_module(config) -> None:
     """Import the architecture's modeling module now, so its module-level builder bindings get patched too."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    model_type = getattr(config, "model_type", None)
+    model_type = multimodal.causal_lm_model_type(config)
     if not model_type:
         return
     module_name = model_type_to_module_name(model_type)

@@ -45,6 +45,8 @@ FLASH_OVERRIDES = {"hrm_text": {"prefix_lm": False}}
 FLASH_DIFFERS_FROM_EAGER = {
     "qwen2_moe": "Qwen2MoeAttention keeps `sliding_window` but never passes it to the attention function, so "
     "FlashAttention attends the whole document where eager/sdpa/flex apply the window",
+    "gpt_neo": "GPTNeoFlashAttention2 passes no window to the kernel, so FlashAttention attends the whole document in "
+    "the 'local' layers where eager applies `window_size`",
 }
 # Hub kernels that transformers puts in FlashAttention's place for some architectures but that are not FlashAttention.
 BLOCK_SPARSE_HUB_KERNELS = ("MiniMaxAI/msa",)

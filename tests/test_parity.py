@@ -126,6 +126,17 @@ def test_sliding_window_is_crossed(model_type):
     assert (_forward(model, input_ids=input_ids) - _forward(unwindowed, input_ids=input_ids)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "hy_v4"])
+def test_sparse_key_indexer_is_selective(model_type):
+    """The tiny sparse-attention configs keep 3 keys per query, fewer than the longer documents have, so a document
+    mask the indexer ignored would show in the matrix: keeping every key changes the logits."""
+    model = tiny_model(model_type, "eager")
+    assert model.config.index_topk == 3
+    every_key = tiny_model(model_type, "eager", index_topk=64)
+    input_ids = packed_batch()["input_ids"][1:, :9]
+    assert (_forward(model, input_ids=input_ids) - _forward(every_key, input_ids=input_ids)).abs().max() > 1e-3
+
+
 def packed_batch_lengths():
     return [[length for _, length in spans] for spans in packed_batch()["documents"]]
 

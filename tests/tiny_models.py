@@ -7,7 +7,7 @@ per-architecture exceptions. Sliding windows and attention chunks are shrunk to 
 """
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
 WINDOW = 4
@@ -39,14 +39,25 @@ _SHRINK = {
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "vocab_size": VOCAB_SIZE,
+    "vocab_size_per_layer_input": VOCAB_SIZE,
+    "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
     "sliding_window": WINDOW,
+    # Sparse attention: the key indexer keeps 3 keys per query, fewer than most documents have.
+    "index_topk": 3,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
     "attention_chunk_size": WINDOW,
 }
 
 # Per-architecture exceptions: fields whose generic value does not fit, or switches that turn a feature on (sliding
 # windows that are off by default, softcapping) so that the parity matrix exercises it.
-_SLIDING_ON = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1, "layer_types": ["sliding_attention", "full_attention"]}
+_SLIDING_ON = {
+    "sliding_window": WINDOW,
+    "use_sliding_window": True,
+    "max_window_layers": 1,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -54,25 +65,98 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_moe": _SLIDING_ON,
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
+    # Gemma 4's full-attention layers get a wider head (512 by default) through `global_head_dim`.
+    "gemma4_text": {"global_head_dim": 32},
+    "gemma4": {"text_config": {"global_head_dim": 32}},
+    "gemma4_unified": {"text_config": {"global_head_dim": 32}},
+    # Gemma 3n reuses the key/value cache of earlier layers in its last `num_kv_shared_layers`: four layers, so that
+    # a sliding and a full layer share those of the first two.
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "laurel_rank": 8,
+    },
+    # Fields left None by the defaults (the real checkpoints set them), so the generic shrink does not touch them.
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {**_SLIDING_ON, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    "ministral": {"head_dim": 16},
+    "nemotron": {"num_key_value_heads": 2},
+    "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2, "moe_topk": 2},
+    # DbrxAttention reads `rope_theta` and clamps with `clip_qkv` (8 in the checkpoint) from its attention sub-config,
+    # whose defaults lack the one and leave the other None.
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # Rotary parameters are per layer kind and empty by default (the checkpoints set them).
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    # The audio and vision towers' own widths and sizes, which the generic shrink does not know.
+    "phi4_multimodal": {
+        "audio_config": {
+            "num_blocks": 2,
+            **dict.fromkeys(("depthwise_separable_out_channel", "ext_pw_out_channel", "nemo_conv_channels"), 64),
+        },
+        "vision_config": {"image_size": 28, "crop_size": 28},
+    },
+    # Partial rotary over part of each 16-dim head; GPT-Neo's local layers window over 4 tokens.
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "gpt_neo": {"num_heads": 4, "attention_layers": ["local", "global"], "window_size": WINDOW},
 }
 
 
 def tiny_config(model_type: str, **overrides):
-    """The tiny config of `model_type`: the generic shrink, then `ARCH_OVERRIDES[model_type]`, then `overrides`."""
-    default = AutoConfig.for_model(model_type)
-    fields = default.to_dict()
-    fields.update(getattr(default, "attribute_map", {}))
+    """The tiny config of `model_type`: the generic shrink (of nested text/vision/... configs too), then
+    `ARCH_OVERRIDES[model_type]`, then `overrides`; a dict given for a nested config updates that config's fields."""
+    values = _shrunk_fields(AutoConfig.for_model(model_type))
+    for name, value in {**ARCH_OVERRIDES.get(model_type, {}), **overrides}.items():
+        nested = isinstance(value, dict) and isinstance(values.get(name), dict)
+        values[name] = {**values[name], **value} if nested else value
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _shrunk_fields(config) -> dict:
+    """The fields of `config` that the generic shrink changes; a nested config becomes a dict of all its fields."""
+    fields = config.to_dict()
+    fields.update(getattr(config, "attribute_map", {}))
     values = {name: value for name, value in _SHRINK.items() if name in fields and fields.get(name) is not None}
-    if "qk_rope_head_dim" in fields:
-        values.pop("head_dim", None)
+    if "kv_lora_rank" in fields:
+        # Multi-head latent attention: rotary acts on `qk_rope_head_dim` (what `head_dim` means there) and the latent
+        # is expanded to one key/value head per query head.
+        values["num_key_value_heads"] = values.get("num_attention_heads", 4)
+        if "head_dim" in fields:
+            values["head_dim"] = _SHRINK["qk_rope_head_dim"]
     if fields.get("layer_types"):
         values["layer_types"] = _tiny_layer_types(fields["layer_types"])
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
             values[token] = 0
-    values.update(ARCH_OVERRIDES.get(model_type, {}))
-    values.update(overrides)
-    return AutoConfig.for_model(model_type, **values)
+    for name in [name for name, value in fields.items() if isinstance(value, dict)]:
+        nested = getattr(config, name, None)
+        if isinstance(nested, PretrainedConfig):
+            values[name] = _nested_fields(nested)
+    return values
+
+
+def _nested_fields(config) -> dict:
+    """All fields of a nested config, shrunk, less the per-layer ones the shrink does not rewrite (`per_layer_config`,
+    `mlp_layer_types`, ...): sized for the default's layers, they are rebuilt by the config for the tiny ones."""
+    shrunk = _shrunk_fields(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    per_layer = {
+        name
+        for name, value in config.to_dict().items()
+        if name == "per_layer_config" or (isinstance(value, list) and len(value) == layers and name not in shrunk)
+    }
+    return {name: value for name, value in {**config.to_dict(), **shrunk}.items() if name not in per_layer}
 
 
 def _tiny_layer_types(default_layer_types):
@@ -91,7 +175,9 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides):
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
-        raise ValueError(f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides")
+        raise ValueError(
+            f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides"
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

@@ -1,0 +1,78 @@
+"""Multimodal checkpoints fine-tuned on text: the wrapper classes run packed text-only batches exactly (the parity
+matrix covers their rows; here the inputs a multimodal trainer adds), and a packed batch carrying media is refused."""
+
+import pytest
+import torch
+from test_parity import TOLERANCE, _max_differences
+from tiny_models import packed_batch, tiny_model
+from transformers import MllamaTextConfig
+
+from llm_packing.errors import UnsupportedSetupError
+from llm_packing.multimodal import causal_lm_model_type
+from llm_packing.patch import packing_configured
+
+
+IMAGE_TOKEN_ID = 5  # inside the tiny vocabulary, so that a batch can hold it
+
+
+def test_auto_class_builds_the_wrappers_and_the_text_models():
+    """What the parity rows run: `AutoModelForCausalLM` gives the whole wrapper for gemma3/gemma4 and the language
+    model, under its text config's own model type, for mllama."""
+    assert type(tiny_model("gemma3", "eager")).__name__ == "Gemma3ForConditionalGeneration"
+    assert type(tiny_model("gemma4", "eager")).__name__ == "Gemma4ForConditionalGeneration"
+    mllama = tiny_model("mllama", "eager")
+    assert (type(mllama).__name__, mllama.config.model_type) == ("MllamaForCausalLM", "mllama_text_model")
+
+
+def test_text_config_of_a_multimodal_model_maps_to_its_causal_lm_type():
+    assert causal_lm_model_type(MllamaTextConfig()) == "mllama"
+    with packing_configured(MllamaTextConfig()):
+        pass
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_text_only_token_type_ids_stay_exact(model_type, backend):
+    """Multimodal collators send `token_type_ids` (0 = text) in training; the wrapper then builds its masks through
+    its image-block path, which must still isolate the documents."""
+    model = tiny_model(model_type, backend).train()
+    batch = packed_batch()
+    inputs = {"attention_mask": batch["attention_mask"], "token_type_ids": torch.zeros_like(batch["input_ids"])}
+    with packing_configured(model):
+        differences = _max_differences(model, batch, **inputs)
+    assert max(differences) <= TOLERANCE, (model_type, backend, differences)
+
+
+def _packed_forward(model, batch, **inputs):
+    keys = ("input_ids", "attention_mask", "position_ids")
+    with torch.no_grad():
+        return model(**{key: batch[key] for key in keys}, **inputs, use_cache=False)
+
+
+def test_packed_batch_with_pixel_values_is_refused():
+    model = tiny_model("gemma3", "eager")
+    pixel_values = torch.zeros(1, 3, 8, 8)
+    refused = pytest.raises(UnsupportedSetupError, match="Gemma3ForConditionalGeneration.*pixel_values")
+    with packing_configured(model), refused:
+        _packed_forward(model, packed_batch(), pixel_values=pixel_values)
+
+
+def test_packed_batch_with_image_placeholder_tokens_is_refused():
+    model = tiny_model("gemma3", "eager", image_token_id=IMAGE_TOKEN_ID)
+    batch = packed_batch()
+    batch["input_ids"][1, 3] = IMAGE_TOKEN_ID
+    refused = pytest.raises(UnsupportedSetupError, match=rf"placeholder tokens \[{IMAGE_TOKEN_ID}\]")
+    with packing_configured(model), refused:
+        _packed_forward(model, batch)
+
+
+def test_guard_leaves_unpacked_batches_and_goes_with_unconfigure():
+    """Only packed batches are refused: the same tokens under a 0/1 mask reach the model, and `unconfigure_packing`
+    removes the guard."""
+    model = tiny_model("gemma3", "eager", image_token_id=IMAGE_TOKEN_ID)
+    batch = packed_batch()
+    batch["input_ids"][1, 3] = IMAGE_TOKEN_ID
+    with packing_configured(model):
+        assert len(model._forward_pre_hooks) == 1
+        _packed_forward(model, {**batch, "attention_mask": (batch["attention_mask"] > 0).long()})
+    assert not model._forward_pre_hooks
