@@ -29,6 +29,8 @@ from .dataset import pack_dataset
 from .documents import load_documents, load_tokenizer, tokenize_documents
 from .errors import PackingValueError, UnsupportedSetupError
 from .patch import packing_configured
+from .pretrained import BUNDLED_MODEL_NAME, load_bundled_model
+from .sample_reply import sample_reply
 from .verify import verify_packing
 
 
@@ -72,6 +74,8 @@ class ScriptArguments:
             Build a randomly initialised model from this config (a mapping, or JSON on the command line) instead of
             loading `model_name_or_path`: `model_type` (default `"llama"`) and that config class's keys;
             `vocab_size` defaults to the tokenizer's.
+        sample_prompt (`str`, *optional*):
+            Log the model's greedy reply to this prompt before and after training.
     """
 
     dataset_name: str = field(
@@ -91,6 +95,9 @@ class ScriptArguments:
     model_config: dict | str | None = field(
         default=None,
         metadata={"help": "Config of a randomly initialised model (mapping in YAML, JSON on the command line)."},
+    )
+    sample_prompt: str | None = field(
+        default=None, metadata={"help": "Log the model's greedy reply to this prompt before and after training."},
     )
 
     def __post_init__(self):
@@ -236,9 +243,11 @@ def train(script_args, training_args, model_args, packing_args):
         counter = _BatchCounter()
         trainer = SFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
                              processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=[counter])
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, f"{rank} before training")
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         logger.info("%s trained on %d batches in %d optimizer steps; final loss %.4f", rank, counter.batches,
                     trainer.state.global_step, result.training_loss)
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, f"{rank} after training")
         trainer.save_model(training_args.output_dir)
     return result
 
@@ -246,7 +255,10 @@ def train(script_args, training_args, model_args, packing_args):
 def load_model(script_args, model_args, training_args, tokenizer):
     """`model_name_or_path` loaded, or a randomly initialised model built from `model_config`."""
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
-    if script_args.model_config is None:
+    if model_args.model_name_or_path == BUNDLED_MODEL_NAME:
+        model = load_bundled_model(dtype=torch.float32 if dtype == "auto" else dtype,
+                                   attn_implementation=model_args.attn_implementation)
+    elif script_args.model_config is None:
         kwargs = dict(revision=model_args.model_revision, dtype=dtype, trust_remote_code=training_args.trust_remote_code,
                       attn_implementation=model_args.attn_implementation, **(training_args.model_init_kwargs or {}))
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
@@ -261,6 +273,11 @@ def load_model(script_args, model_args, training_args, tokenizer):
     # With a cache, transformers stops detecting packed documents from `position_ids`; training needs none.
     model.config.use_cache = False
     return model
+
+
+def _log_sample_reply(prompt, model, tokenizer, when) -> None:
+    if prompt is not None:
+        logger.info("%s, reply to %r: %r", when, prompt, sample_reply(model, tokenizer, prompt))
 
 
 def _setup_logging() -> None:
