@@ -24,6 +24,7 @@ from trl import SFTConfig, SFTTrainer
 from llm_packing import ContaminationError, DataCollatorWithPacking, pack_dataset, packing_configured, verify_packing
 from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
 from llm_packing.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
+from llm_packing.sample_reply import sample_reply
 
 
 # float32 noise of this model: a document's logits move when unrelated tokens follow it in a 64-token row, plain causal
@@ -82,6 +83,13 @@ class TestLoader:
         assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
         assert sum(p.numel() for p in smollm2.parameters()) == 134_515_008
         assert not getattr(smollm2, "is_quantized", False) and type(smollm2.lm_head) is torch.nn.Linear
+
+    def test_tokenizer_and_sample_reply(self, smollm2):
+        # What the recipe logs before training (`sample_prompt`), from the tokenizer and chat template in the file.
+        tokenizer = load_bundled_tokenizer()
+        assert len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.chat_template
+        assert sample_reply(smollm2, tokenizer, "What is the capital of France?") == "The capital of France is Paris."
+        assert not smollm2.training
 
     def test_wheel_not_installed(self, monkeypatch):
         def missing(name):
