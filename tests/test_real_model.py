@@ -58,7 +58,7 @@ def packed_batch(seed=0):
             position_ids[row, start : start + length] = torch.arange(length)
             spans.append((row, start, length))
             start += length
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids), spans
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, spans
 
 
 def max_packed_vs_alone(model, batch, spans):
@@ -163,7 +163,8 @@ class TestVerifyPacking:
         try:
             with packing_configured(model):
                 verify_packing(model)
-            with pytest.raises(ContaminationError, match=r"differ .* by \S+ \(limit \S+ = max\(.* noise floor") as caught:
+            limit_named = r"differ .* by \S+ \(limit \S+ = max\(.* noise floor"
+            with pytest.raises(ContaminationError, match=limit_named) as caught:
                 verify_packing(model)
         finally:
             model.set_attn_implementation("sdpa")
