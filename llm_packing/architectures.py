@@ -202,6 +202,10 @@ REFUSED_BACKENDS: dict[tuple[str, str], str] = {
     (model_type, "flex_attention"): _SINKS_ON_CPU for model_type in ("flint", "gpt_oss", "granite_swa", "granitemoe_swa")
 }
 
+# Supported types whose sdpa attention the varlen route (llm_packing/varlen.py) cannot express: they keep transformers'
+# dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity matrix's route axis.
+SDPA_DENSE_MODEL_TYPES: dict[str, str] = {}
+
 _HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"mamba"', '"recurrent"')
 
 
@@ -349,6 +353,16 @@ def require_supported(config) -> None:
         f"{', '.join(supported_model_types())}. Use one of them, or train this model without packing (padding each "
         "document on its own row)."
     )
+
+
+def sdpa_route(config) -> tuple[str, str | None]:
+    """`("varlen", None)` if packed sdpa batches of this config take the varlen route, else `("dense", reason)`."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SDPA_DENSE_MODEL_TYPES:
+        return "dense", SDPA_DENSE_MODEL_TYPES[model_type]
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "dense", "attention logit softcapping, which SDPA cannot apply"
+    return "varlen", None
 
 
 def _causal_lm_class(model_type: str):
