@@ -221,7 +221,8 @@ def train(script_args, training_args, model_args, packing_args):
     logger.info("%s attention backend %r; layout %s; %d documents in %d rows: %s", rank,
                 model.config._attn_implementation, layout, len(documents), len(rows), stats)
     # Unhooked on exit, unless the caller had configured packing already.
-    with packing_configured(model) if packing_args.block_diag_attn else contextlib.nullcontext():
+    configured = packing_configured(model, attention_route=packing_args.attention_route)
+    with configured if packing_args.block_diag_attn else contextlib.nullcontext():
         if packing_args.block_diag_attn and packing_args.verify_packing:
             difference = verify_packing(model)
             logger.info("%s isolation verified: packed logits equal per-document logits (max abs diff %.2g)",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .errors import UnsupportedSetupError
+from .errors import PackingValueError, UnsupportedSetupError
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -258,7 +258,7 @@ def check_route(attention_route, config) -> None:
     from .architectures import sdpa_route
 
     if attention_route not in ROUTES:
-        raise UnsupportedSetupError(
+        raise PackingValueError(
             f"`attention_route` must be one of {', '.join(map(repr, ROUTES))}, got {attention_route!r}. 'auto' takes "
             "the varlen route on sdpa where the architecture allows it, 'dense' forces transformers' dense mask."
         )
