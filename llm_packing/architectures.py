@@ -391,6 +391,11 @@ def _cell(model_type: str, backend: str) -> str:
         return "n/a"
     if (model_type, backend) in REFUSED_BACKENDS:
         return "refused: " + REFUSED_BACKENDS[model_type, backend]
+    if backend == "sdpa":
+        from transformers import AutoConfig
+
+        route, reason = sdpa_route(AutoConfig.for_model(model_type))
+        return "exact (varlen)" if route == "varlen" else f"exact (dense: {reason})"
     substitute = _flash_substitute(model_type, backend)
     return f"exact (runs {substitute})" if substitute else "exact"
 
@@ -410,7 +415,10 @@ def support_matrix_markdown() -> str:
         "eager, sdpa and flex_attention on CPU (per-token losses too); `tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
         "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3, which takes the same path "
-        "(the test asserts it). `exact (runs K)`: transformers serves a FlashAttention request with the "
+        "(the test asserts it). `exact (varlen)` on sdpa: packed batches take the varlen route (per-document SDPA, "
+        "`llm_packing/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "
+        "parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which keeps "
+        "transformers' dense packed mask. `exact (runs K)`: transformers serves a FlashAttention request with the "
         "architecture's own kernel K (one that takes attention sinks); that is the path tested. `n/a`: transformers "
         "offers no such backend for the architecture.",
         "",
