@@ -334,8 +334,9 @@ def _warn_if_dense_mask_is_large(attention_mask: torch.Tensor, dtype: torch.dtyp
         warnings.warn(
             f"The packed {backend} attention mask for a batch of shape {tuple(attention_mask.shape)} takes "
             f"{size / 2**30:.1f} GiB (batch x length^2 x {element_size} bytes, per mask type): above "
-            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. FlashAttention ('flash_attention_2') and flex_attention keep "
-            "packing memory linear in tokens; otherwise lower per_device_train_batch_size or max_length.",
+            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. sdpa's varlen route (`attention_route='auto'`), FlashAttention "
+            "('flash_attention_2') and flex_attention keep packing memory linear in tokens; otherwise lower "
+            "per_device_train_batch_size or max_length.",
             UserWarning,
             stacklevel=4,
         )
