@@ -24,7 +24,8 @@ from .errors import PackingValueError, UnsupportedSetupError
 
 ROUTES = ("auto", "varlen", "dense")
 # Documents of a bucket are padded to its longest one: a bucket takes documents down to 1/BUCKET_RATIO of that length,
-# so padding wastes at most ~36% of a bucket's attention FLOPs while a 32k-token row needs ~20 SDPA calls per layer.
+# so a document's padding costs at most 36% of its bucket slot's attention FLOPs, while lengths from 32 to 32,768
+# tokens fall into at most 32 buckets (SDPA calls per layer).
 BUCKET_RATIO = 1.25
 # Documents this short share one bucket whatever their lengths: per-call overhead outweighs their padding.
 SMALLEST_BUCKET = 32
