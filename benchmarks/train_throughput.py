@@ -358,6 +358,9 @@ def main() -> None:
     # whenever the other core is taken (steps ran up to 20x slower), which swamps the differences measured here.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only these configurations, by name ('padded, group_by_length') or name|backend "
+                        "('llm_packing rows|sdpa')")
     parser.add_argument("--output", default=os.path.join(RESULTS, "train_throughput"),
                         help="writes OUTPUT.md and OUTPUT.png")
     for internal in ("--child", "--dataset", "--docs-dir", "--out"):
@@ -398,6 +401,8 @@ def main() -> None:
                           f"{info['cut']:,} longer than {args.max_length}")
         for dataset in DATASETS:
             for name, backend in configurations(has_flash):
+                if args.only and name not in args.only and f"{name}|{backend}" not in args.only:
+                    continue
                 out = os.path.join(directory, "result.json")
                 started = time.perf_counter()
                 process = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child",
@@ -410,7 +415,7 @@ def main() -> None:
                         result = json.load(file)
                 rows[dataset, name, backend] = summarise(result)
                 print(f"{dataset} / {name} / {backend}: {time.perf_counter() - started:.0f} s "
-                      f"{rows[dataset, name, backend].get('error', '')}", file=sys.stderr, flush=True)
+                      f"{json.dumps(rows[dataset, name, backend])}", file=sys.stderr, flush=True)
     lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
     for dataset in DATASETS:
         lines += [f"## {dataset}\n", *table(rows, dataset, args.device), ""]
