@@ -77,7 +77,7 @@ def plot(points: list[dict], path: str) -> None:
     for ax, label in zip(axes, ("peak RSS rise in the step, MiB", "forward + backward, s")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("row length, tokens (one row, ~128-token documents)")
+        ax.set_xlabel("row length, tokens (one row, documents of median 128 tokens)")
         ax.set_ylabel(label)
         ax.legend()
         ax.grid(True, which="both", alpha=0.3)
@@ -113,7 +113,7 @@ def main() -> None:
                     point.update(json.loads(process.stdout.strip().splitlines()[-1]))
             points.append(point)
             print(point, file=sys.stderr, flush=True)
-    lines = ["# varlen_memory\n", f"- command: `python benchmarks/varlen_memory.py {' '.join(sys.argv[1:])}`".replace("  ", " "),
+    lines = ["# varlen_memory\n", f"- command: `{' '.join(['python benchmarks/varlen_memory.py', *sys.argv[1:]])}`",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; machine: {os.cpu_count()} CPUs, "
              f"{platform.platform()}; load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared)",
              "", "| row tokens | documents | route | peak RSS rise MiB | step s |", "|---|---|---|---|---|"]
