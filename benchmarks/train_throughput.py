@@ -109,7 +109,10 @@ def step_batches(name: str, documents, args) -> list[list[dict]]:
     if name.startswith("padded"):
         lengths = np.array([len(x) for x in documents["input_ids"]])
         if name == GROUP_BY_LENGTH[0]:
-            return [[documents[i] for i in batch] for batch in group_by_length_batches(lengths, args)[:needed]]
+            # Steps drawn across the epoch: the sampler puts the longest batch first and sorts each mega-batch
+            # longest first, so its first few batches would all be documents cut at max_length.
+            batches = group_by_length_batches(lengths, args)
+            return [[documents[i] for i in batches[b]] for b in rng.permutation(len(batches))[:needed]]
         if name == "padded, random order":
             order = rng.permutation(len(lengths))
         else:  # the best case of length grouping: one global sort, then whole batches shuffled
