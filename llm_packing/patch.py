@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _compat, multimodal
+from . import _compat, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
@@ -48,7 +48,9 @@ DENSE_MASK_WARNING_BYTES = 1 << 30
 _warned_dense_mask = False
 
 
-def configure_packing(model_or_config, *, attn_implementation: str | None = None):
+def configure_packing(
+    model_or_config, *, attn_implementation: str | None = None, attention_route: str | None = None
+):
     """
     Make indexed packed attention masks isolate documents exactly for this model's architecture and backend.
 
@@ -61,6 +63,13 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
         attn_implementation (`str`, *optional*):
             If given, switch the model (or config) to this attention backend first: `"eager"`, `"sdpa"`,
             `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"flash_attention_4"`.
+        attention_route (`str`, *optional*):
+            How sdpa attends packed batches; by default the route already chosen in this process (`"auto"` at first,
+            and again after [`unconfigure_packing`]), so that configuring a second time, as
+            [`~llm_packing.trainer.PackedSFTTrainer`] does, keeps a forced route. `"auto"`: the varlen route (each document's own causal block, memory
+            linear in tokens; see `llm_packing.varlen`) where the architecture allows it, else transformers' dense
+            `(batch, 1, length, length)` mask. `"dense"` forces the dense mask; `"varlen"` raises unless the varlen
+            route is taken. Other backends ignore `"auto"` and `"dense"`.
 
     Returns:
         The same `model_or_config`, for chaining.
@@ -94,6 +103,7 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             _mask_route(backend, config)
+        varlen.check_route(attention_route, config)
     except BaseException:
         # A refused setup leaves the model on the backend it came with, not half-configured.
         if attn_implementation is not None:
@@ -135,6 +145,7 @@ def unconfigure_packing() -> None:
                 namespace[attribute] = _originals[replaced[id(value)]]
     masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.update(_replaced_mapping_entries)
     _replaced_mapping_entries.clear()
+    varlen.uninstall()
     _originals.clear()
     _wrappers.clear()
 
@@ -145,12 +156,14 @@ def is_packing_configured() -> bool:
 
 
 @contextlib.contextmanager
-def packing_configured(model_or_config, *, attn_implementation: str | None = None) -> Iterator[Any]:
+def packing_configured(
+    model_or_config, *, attn_implementation: str | None = None, attention_route: str | None = None
+) -> Iterator[Any]:
     """Context manager form of [`configure_packing`]; restores the originals on exit (unless packing was already
     configured on entry)."""
     was_configured = is_packing_configured()
     try:
-        yield configure_packing(model_or_config, attn_implementation=attn_implementation)
+        yield configure_packing(model_or_config, attn_implementation=attn_implementation, attention_route=attention_route)
     finally:
         if not was_configured:
             unconfigure_packing()
@@ -173,6 +186,7 @@ def _patch_all() -> None:
             if name is not None and value is _originals[name]:
                 namespace[attribute] = _wrappers[name]
     _patch_layer_pattern_mapping()
+    varlen.install()
 
 
 def _patch_layer_pattern_mapping() -> None:
@@ -241,6 +255,10 @@ def _wrap_builder(original):
         route = _mask_route(config._attn_implementation, config)
         if route == "flash":
             return attention_mask
+        if route == "dense" and config._attn_implementation == "sdpa":
+            packed = varlen.mask_for_builder(original.__name__, arguments, attention_mask)
+            if packed is not None:
+                return packed
         if route == "dense":
             _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, config._attn_implementation)
         arguments["attention_mask"] = None
@@ -316,6 +334,7 @@ def _mask_route(backend: str, config) -> str:
     routes = {
         (masking_utils.flash_attention_mask, flash_attention.flash_attention_forward): "flash",
         (masking_utils.sdpa_mask, sdpa_attention.sdpa_attention_forward): "dense",
+        (masking_utils.sdpa_mask, varlen.sdpa_attention_forward): "dense",  # its varlen route, see `_wrap_builder`
         (masking_utils.eager_mask, None): "dense",  # eager is each model's own function, not a registered one
         (masking_utils.flex_attention_mask, flex_attention.flex_attention_forward): "flex",
     }
@@ -342,8 +361,9 @@ def _warn_if_dense_mask_is_large(attention_mask: torch.Tensor, dtype: torch.dtyp
         warnings.warn(
             f"The packed {backend} attention mask for a batch of shape {tuple(attention_mask.shape)} takes "
             f"{size / 2**30:.1f} GiB (batch x length^2 x {element_size} bytes, per mask type): above "
-            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. FlashAttention ('flash_attention_2') and flex_attention keep "
-            "packing memory linear in tokens; otherwise lower per_device_train_batch_size or max_length.",
+            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. sdpa's varlen route (`attention_route='auto'`), FlashAttention "
+            "('flash_attention_2') and flex_attention keep packing memory linear in tokens; otherwise lower "
+            "per_device_train_batch_size or max_length.",
             UserWarning,
             stacklevel=4,
         )

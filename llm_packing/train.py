@@ -279,7 +279,7 @@ def train(script_args, training_args, model_args, packing_args):
                 len(documents), len(rows))
     _warn_if_mostly_split(stats, len(documents), training_args.max_length)
     # Unhooked on exit, unless the caller had configured packing already.
-    with packing_configured(model) if packing_args.block_diag_attn else contextlib.nullcontext():
+    with packing_configured(model, attention_route=packing_args.attention_route) if packing_args.block_diag_attn else contextlib.nullcontext():
         collator = DataCollatorWithPacking(pad_token_id=tokenizer.pad_token_id, max_length=training_args.max_length,
                                            pad_to_multiple_of=training_args.pad_to_multiple_of,
                                            padding_free=packing_args.padding_free)

@@ -550,7 +550,7 @@ class TestResourceBounds:
     @pytest.mark.parametrize("backend, element_size", [("sdpa", 1), ("eager", 4)])
     def test_dense_mask_warning_is_exactly_past_the_bound(self, model, monkeypatch, backend, element_size):
         model.config._attn_implementation = backend
-        configure_packing(model)
+        configure_packing(model, attention_route="dense")  # sdpa's default varlen route builds no dense mask
         size = 2 * 6 * 6 * element_size  # batch x length^2 x bytes per element (bool for sdpa, float32 for eager)
         monkeypatch.setattr(patch, "_warned_dense_mask", False)
         monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", size)

@@ -21,7 +21,7 @@ def test_train_throughput_tiny(tmp_path):
     for dataset in ("## conversations", "## lognormal", "## Targets"):
         assert dataset in report
     rows = [line for line in report.splitlines() if line.startswith("| ") and "configuration" not in line]
-    assert len(rows) == 14
+    assert len(rows) == 18
     # Only flex_attention may be skipped (its backward is unsupported on CPU); a crash shows as "exit code".
     skipped = [row for row in rows if "skipped" in row]
     assert all("flex_attention" in row for row in skipped), skipped

@@ -6,24 +6,37 @@ The packed batch (`tiny_models.packed_batch`) has two rows of 18 tokens: documen
 sliding windows / attention chunks of the tiny configs are all covered. The reference runs each document alone
 (batch 1, no padding, positions 0..n-1).
 
+sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/varlen.py; the test asserts that it is taken
+and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one route.
+
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """
 
 import pytest
 import torch
 from tiny_models import WINDOW, packed_batch, tiny_model
+from transformers import masking_utils
 
-from llm_packing.architectures import REFUSED_BACKENDS, MATRIX_BACKENDS, backend_available, supported_model_types
+from llm_packing import varlen
+from llm_packing.architectures import (
+    MATRIX_BACKENDS,
+    REFUSED_BACKENDS,
+    backend_available,
+    sdpa_route,
+    supported_model_types,
+)
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.patch import packing_configured
 
 
 TOLERANCE = 1e-5
 CORE_MODEL_TYPES = ("llama", "qwen2", "gemma2", "mixtral", "phi3", "gpt_neox")
+ROUTES = {"eager": ("auto",), "sdpa": ("varlen", "dense"), "flex_attention": ("auto",)}
 MATRIX = [
-    pytest.param(model_type, backend, marks=() if model_type in CORE_MODEL_TYPES else pytest.mark.slow)
+    pytest.param(model_type, backend, route, marks=() if model_type in CORE_MODEL_TYPES else pytest.mark.slow)
     for model_type in supported_model_types()
     for backend in MATRIX_BACKENDS
+    for route in ROUTES[backend]
 ]
 
 
@@ -51,9 +64,11 @@ def _separate(model, batch):
     return results
 
 
-def _max_differences(model, batch, **packed_inputs):
-    """Max abs difference of logits and of per-token losses between the packed batch and separate documents."""
-    logits = _forward(model, input_ids=batch["input_ids"], position_ids=batch["position_ids"], **packed_inputs)
+def _max_differences(model, batch, logits=None, **packed_inputs):
+    """Max abs difference of logits and of per-token losses between the packed batch (or its given `logits`) and
+    separate documents."""
+    if logits is None:
+        logits = _forward(model, input_ids=batch["input_ids"], position_ids=batch["position_ids"], **packed_inputs)
     losses = _token_losses(logits, batch["labels"])
     logit_difference = loss_difference = 0.0
     for (row, start, length), (expected_logits, expected_losses) in _separate(model, batch).items():
@@ -76,8 +91,8 @@ def static_flex_compile():
         yield
 
 
-@pytest.mark.parametrize(("model_type", "backend"), MATRIX)
-def test_packed_batch_equals_separate_documents(model_type, backend, static_flex_compile):
+@pytest.mark.parametrize(("model_type", "backend", "route"), MATRIX)
+def test_packed_batch_equals_separate_documents(model_type, backend, route, static_flex_compile, monkeypatch):
     if not backend_available(model_type, backend):
         with pytest.raises(ValueError, match="does not support"):
             tiny_model(model_type, backend)
@@ -87,11 +102,40 @@ def test_packed_batch_equals_separate_documents(model_type, backend, static_flex
         with pytest.raises(UnsupportedSetupError, match=model_type):
             configure_packing_and_undo(model)
         return
+    if route == "varlen" and sdpa_route(model.config)[0] == "dense":
+        with pytest.raises(UnsupportedSetupError, match="attention_route='varlen'"):
+            configure_packing_and_undo(model, attention_route=route)
+        return
     batch = packed_batch()
-    with packing_configured(model):
-        logit_difference, loss_difference = _max_differences(model, batch, attention_mask=batch["attention_mask"])
-    assert logit_difference <= TOLERANCE, (model_type, backend, logit_difference)
-    assert loss_difference <= TOLERANCE, (model_type, backend, loss_difference)
+    calls = {}
+    _count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
+    _count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
+    with packing_configured(model, attention_route=route):
+        packed_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        logits = _forward(model, **packed_inputs)
+        if route == "varlen":
+            assert calls["packed_sdpa_attention"] >= 1 and calls["sdpa_mask"] == 0, calls
+        if route == "dense":
+            assert calls["packed_sdpa_attention"] == 0 and calls["sdpa_mask"] >= 1, calls
+        logit_difference, loss_difference = _max_differences(model, batch, logits)
+    assert logit_difference <= TOLERANCE, (model_type, backend, route, logit_difference)
+    assert loss_difference <= TOLERANCE, (model_type, backend, route, loss_difference)
+
+
+def _count_calls(calls, monkeypatch, module, name, mapping=None):
+    """Count the calls of `module.name` in `calls[name]` (and of its entry in `mapping`, where transformers looks it
+    up)."""
+    calls[name] = 0
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    for key, value in (mapping or {}).items():
+        if value is original:
+            monkeypatch.setitem(mapping, key, counted)
 
 
 def test_model_loss_equals_mean_of_separate_document_losses():
@@ -141,6 +185,6 @@ def packed_batch_lengths():
     return [[length for _, length in spans] for spans in packed_batch()["documents"]]
 
 
-def configure_packing_and_undo(model):
-    with packing_configured(model):
+def configure_packing_and_undo(model, **options):
+    with packing_configured(model, **options):
         pass

@@ -190,6 +190,6 @@ class TestRefusals:
 
         monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", 2 * 6 * 6 - 1)
         monkeypatch.setattr(patch, "_warned_dense_mask", False)
-        configure_packing(model)
+        configure_packing(model, attention_route="dense")  # the default varlen route builds no dense mask
         with torch.no_grad(), pytest.warns(UserWarning, match="flash_attention_2"):
             model(**PACKED, use_cache=False)

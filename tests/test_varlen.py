@@ -1,0 +1,217 @@
+"""The varlen route's mechanics: its layout, one layout per forward, gradients equal to the dense route, torch's
+varlen kernel wrapper (through a CPU stand-in of the same signature), the route switch and its refusals. Exactness per
+architecture is tests/test_parity.py (route axis); memory is the slow test at the end."""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tiny_models import packed_batch, tiny_model
+
+from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
+from llm_packing import varlen
+from llm_packing.config import PackingArguments
+from llm_packing.varlen import PackedAttentionMask
+
+
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]])
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _flat_spans(layout):
+    """(flat start, length) of every attended piece, from `destination` and `cu_seqlens`."""
+    bounds = layout.cu_seqlens.tolist()
+    return sorted((int(layout.destination[a]), b - a) for a, b in zip(bounds, bounds[1:]))
+
+
+class TestLayout:
+    def test_every_real_token_once_and_no_padding(self):
+        layout = PackedAttentionMask.from_indexed_mask(MASK)
+        assert sorted(layout.destination.tolist()) == torch.nonzero(MASK.flatten()).flatten().tolist()
+        assert _flat_spans(layout) == [(0, 7), (7, 2), (10, 2), (12, 8)]
+        assert layout.max_seqlen == 8
+
+    def test_chunks_cut_documents_into_pieces(self):
+        layout = PackedAttentionMask.from_indexed_mask(MASK, chunk=3)
+        assert _flat_spans(layout) == [(0, 3), (3, 3), (6, 1), (7, 2), (10, 2), (12, 3), (15, 3), (18, 2)]
+
+    def test_buckets_group_lengths_within_the_ratio(self, monkeypatch):
+        monkeypatch.setattr(varlen, "SMALLEST_BUCKET", 1)
+        layout = PackedAttentionMask.from_indexed_mask(MASK)
+        # Lengths 8 and 7 share a bucket (8 / 7 < 1.25); 2 and 2 share the next.
+        assert [tuple(bucket.shape) for bucket in layout.buckets] == [(2, 8), (2, 2)]
+        padded = torch.cat([bucket.flatten() for bucket in layout.buckets])
+        assert torch.equal(padded[layout.source], layout.destination)
+
+    def test_outputs_match_per_document_sdpa_with_window_and_gqa(self):
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(2, 4, 10, 8, generator=generator)
+        key, value = (torch.randn(2, 2, 10, 8, generator=generator) for _ in range(2))
+        window = 3
+        layout = varlen.packed_attention_mask(MASK, window=window)
+        output = varlen.packed_sdpa_attention(torch.nn.Module(), query, key, value, layout)
+        for start, length in _flat_spans(layout):
+            row, column = divmod(start, MASK.shape[1])
+            steps = torch.arange(length)
+            band = (steps[:, None] >= steps[None]) & (steps[:, None] - steps[None] < window)
+            parts = [t[row : row + 1, :, column : column + length] for t in (query, key, value)]
+            expected = torch.nn.functional.scaled_dot_product_attention(*parts, attn_mask=band, enable_gqa=True)
+            assert torch.allclose(output[row, column : column + length], expected[0].transpose(0, 1), atol=1e-6)
+        assert torch.count_nonzero(output[0, 9]) == 0  # padding
+
+
+def test_layout_is_built_once_per_forward_not_per_layer(monkeypatch):
+    """qwen2 here has a sliding and a full-attention mask type and 4 layers: one layout per forward."""
+    built = []
+    original = PackedAttentionMask.from_indexed_mask.__func__
+    monkeypatch.setattr(PackedAttentionMask, "from_indexed_mask",
+                        classmethod(lambda cls, *a, **k: built.append(1) or original(cls, *a, **k)))
+    attended = []
+    monkeypatch.setattr(varlen, "packed_sdpa_attention",
+                        lambda *a, _f=varlen.packed_sdpa_attention, **k: attended.append(1) or _f(*a, **k))
+    model = tiny_model("qwen2", "sdpa", num_hidden_layers=4,
+                       layer_types=["sliding_attention", "full_attention"] * 2)
+    batch = packed_batch()
+    with packing_configured(model), torch.no_grad():
+        for forward in (1, 2):
+            model(**{key: batch[key].clone() for key in INPUTS})
+            assert (len(built), len(attended)) == (forward, 4 * forward)
+
+
+def test_gradients_equal_the_dense_route():
+    model = tiny_model("qwen2", "sdpa").train()
+    batch = packed_batch()
+    gradients = {}
+    for route in ("varlen", "dense"):
+        model.zero_grad()
+        with packing_configured(model, attention_route=route):
+            model(**{key: batch[key] for key in (*INPUTS, "labels")}).loss.backward()
+        gradients[route] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert (gradients["varlen"] - gradients["dense"]).abs().max() <= 1e-5
+
+
+def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
+    """On CUDA in half precision the route calls `torch.nn.attention.varlen.varlen_attn` once per layer over every
+    document. The stand-in has its exact signature and computes it with per-document SDPA on CPU."""
+    calls = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa))
+        assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size[1] == 0
+        outputs = []
+        for start, end in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:]):
+            q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+            steps = torch.arange(end - start)
+            band = steps[:, None] >= steps[None]
+            if window_size[0] >= 0:
+                band &= steps[:, None] - steps[None] <= window_size[0]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale,
+                                                                   enable_gqa=enable_gqa)
+            outputs.append(out[0].transpose(0, 1))
+        return torch.cat(outputs)
+
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(varlen_attn) == parameters(torch_varlen_attn)
+    model = tiny_model("qwen2", "sdpa")
+    batch = packed_batch()
+    with packing_configured(model), torch.no_grad():
+        expected = model(**{key: batch[key] for key in INPUTS}).logits
+        monkeypatch.setattr(varlen, "_use_torch_varlen", lambda *args: True)
+        monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+        logits = model(**{key: batch[key] for key in INPUTS}).logits
+    assert len(calls) == 2  # one call per layer, every document at once
+    assert {window for _, _, window, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
+    assert all(gqa for *_, gqa in calls) and calls[0][1] == max(max(lengths) for lengths in ((5, 1, 7, 3), (9, 2, 1, 6)))
+    real = batch["attention_mask"] > 0
+    assert (logits - expected)[real].abs().max() <= 1e-5
+
+
+class TestRouteSwitch:
+    def test_unknown_route_is_refused_with_the_allowed_set(self):
+        model = tiny_model("llama", "sdpa")
+        with pytest.raises(PackingValueError, match=r"'auto', 'varlen', 'dense', got 'fast'"):
+            configure_packing(model, attention_route="fast")
+        with pytest.raises(PackingValueError, match="attention_route"):
+            PackingArguments(attention_route="fast")
+
+    @pytest.mark.parametrize(("model_type", "backend", "reason"),
+                             [("falcon", "sdpa", "ALiBi"), ("llama", "eager", "sdpa only")])
+    def test_varlen_is_refused_where_it_cannot_run(self, model_type, backend, reason):
+        with pytest.raises(UnsupportedSetupError, match=reason):
+            with packing_configured(tiny_model(model_type, backend), attention_route="varlen"):
+                pass
+
+    def test_softcapping_keeps_the_dense_route(self):
+        from llm_packing.architectures import sdpa_route
+        from tiny_models import tiny_config
+
+        assert sdpa_route(tiny_config("gemma2")) == ("dense", "attention logit softcapping, which SDPA cannot apply")
+        assert sdpa_route(tiny_config("llama")) == ("varlen", None)
+
+    def test_a_feature_sdpa_cannot_express_fails_closed(self):
+        layout = varlen.packed_attention_mask(MASK)
+        query = torch.zeros(2, 2, 10, 4)
+        with pytest.raises(UnsupportedSetupError, match="softcap"):
+            varlen.packed_sdpa_attention(torch.nn.Module(), query, query, query, layout, softcap=30.0)
+
+    def test_configuring_again_keeps_a_forced_route(self):
+        """PackedSFTTrainer configures the model it is given: a recipe's `attention_route: dense` must survive that."""
+        model = tiny_model("llama", "sdpa")
+        with packing_configured(model, attention_route="dense"):
+            configure_packing(model)
+            assert varlen._route == "dense"
+        assert varlen._route == "auto"
+        with packing_configured(model):
+            assert varlen._route == "auto"
+
+    def test_unconfigure_restores_transformers_sdpa(self):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        with packing_configured(tiny_model("llama", "sdpa")):
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is varlen.sdpa_attention_forward
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from llm_packing import configure_packing
+    length, documents, route = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    config = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length,
+                                  use_cache=False, attn_implementation="sdpa")
+    model = configure_packing(AutoModelForCausalLM.from_config(config), attention_route=route)
+    ids = torch.arange(length) * documents // length + 1
+    starts = torch.searchsorted(ids, ids, right=False)
+    batch = dict(input_ids=torch.randint(0, 128, (1, length)), attention_mask=ids[None],
+                 position_ids=(torch.arange(length) - starts)[None])
+    batch["labels"] = batch["input_ids"].masked_fill(batch["position_ids"] == 0, -100)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model(**batch).loss.backward()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+""")
+
+
+def peak_rss_rise_mib(length: int, documents: int, route: str) -> float:
+    """Peak RSS rise (MiB) of one forward + backward of a 1-layer tiny Llama on one packed row, in a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(length), str(documents), route],
+                            capture_output=True, text=True, check=True, env=environment)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_32k_row_of_256_documents_raises_peak_rss_by_at_most_512_mib():
+    assert peak_rss_rise_mib(32_768, 256, "varlen") <= 512
