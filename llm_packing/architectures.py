@@ -249,11 +249,20 @@ def _scan_reason(model_type: str) -> str | None:
     source = _modeling_source(model_type)
     if source is None:
         return f"the modeling module of {_causal_lm_classes()[model_type]} was not found"
-    if any(marker in source for marker in _HYBRID_MARKERS):
+    isolated_mixers = model_type in _mixer_model_types()
+    if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
-    if not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
+    # Mixers take the 2-D mask that create_recurrent_attention_mask passes through (llm_packing.mixers re-batches).
+    builders = MASK_BUILDERS + (("create_recurrent_attention_mask",) if isolated_mixers else ())
+    if not any(re.search(rf"\b{builder}\b", source) for builder in builders):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
+
+
+def _mixer_model_types():
+    from .mixers import MIXERS
+
+    return MIXERS.keys()
 
 
 @functools.cache
@@ -340,7 +349,7 @@ def require_supported(config) -> None:
     backend = getattr(config, "_attn_implementation", None)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
-    if reason is None and (stateful := non_attention_layer_types(config)):
+    if reason is None and model_type not in _mixer_model_types() and (stateful := non_attention_layer_types(config)):
         reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
     if reason is None:
         return

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _compat
+from . import _compat, mixers
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
@@ -87,6 +87,8 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
         _set_backend(model_or_config, config, attn_implementation)
     try:
         require_supported(config)
+        if isinstance(model_or_config, torch.nn.Module):
+            mixers.check_mixers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             _mask_route(backend, config)
@@ -97,6 +99,7 @@ def configure_packing(model_or_config, *, attn_implementation: str | None = None
         raise
     _import_modeling_module(config)
     _patch_all()
+    mixers.patch_mixers(config.model_type)
     return model_or_config
 
 
@@ -115,6 +118,7 @@ def _set_backend(model_or_config, config, backend: str) -> None:
 
 def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
+    mixers.unpatch_mixers()
     if not _originals:
         return
     from transformers import masking_utils
