@@ -97,30 +97,26 @@ def unpatch_mixers() -> None:
 
 
 def check_mixers_covered(model) -> None:
-    """Refuse a model holding a module of a mixer kind the table lacks for its type (a new layer kind in a newer
-    transformers, a custom model): it would carry state across documents unwrapped."""
+    """Refuse a model holding a mixer the table lacks for its type (a new layer kind in a newer transformers, a custom
+    model): it would carry state across documents unwrapped."""
     model_type = model.config.model_type
-    handled = set(mixer_classes(model_type))
+    handled = tuple(mixer_classes(model_type))
+    covered: list[str] = []  # names of the handled mixers: their submodules run inside them, per document
     for name, module in model.named_modules():
-        cls = type(module)
-        if cls not in handled and _looks_like_mixer(cls):
+        if isinstance(module, handled):
+            covered.append(name + ".")
+        elif _looks_like_mixer(module) and not name.startswith(tuple(covered)):
             raise UnsupportedSetupError(
-                f"Module {name!r} of model_type {model_type!r} is a {cls.__name__}, a non-attention mixer that "
-                f"llm_packing does not isolate (handled for this type: {sorted(c.__name__ for c in handled)}). "
-                "Train this model without packing, or add the class to `llm_packing.mixers.MIXERS` with a parity test."
+                f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a non-attention mixer "
+                "(it owns a causal convolution) that llm_packing does not isolate (handled for this type: "
+                f"{sorted(cls.__name__ for cls in handled)}). Train this model without packing, or add the class to "
+                "`llm_packing.mixers.MIXERS` with a parity test."
             )
 
 
-def _looks_like_mixer(cls: type) -> bool:
-    """A module whose forward takes a recurrent/conv cache next to the hidden states and is no decoder layer."""
-    if cls.__module__.startswith("torch."):
-        return False
-    parameters = inspect.signature(cls.forward).parameters
-    return "cache_params" in parameters or (
-        "past_key_values" in parameters
-        and "conv" in cls.__name__.lower()
-        and not cls.__name__.endswith(("DecoderLayer", "Model", "ForCausalLM"))
-    )
+def _looks_like_mixer(module: torch.nn.Module) -> bool:
+    """Every conv, SSM and delta-net mixer of transformers owns the short causal convolution that carries state."""
+    return any(isinstance(child, torch.nn.Conv1d) for child in module.children())
 
 
 def _wrap_forward(forward, call: MixerCall):

@@ -47,6 +47,8 @@ _SHRINK = {
 # Per-architecture exceptions: fields whose generic value does not fit, or switches that turn a feature on (sliding
 # windows that are off by default, softcapping) so that the parity matrix exercises it.
 _SLIDING_ON = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1, "layer_types": ["sliding_attention", "full_attention"]}
+_MAMBA2 = {"chunk_size": 4}
+_MAMBA2_PREFIXED = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 4}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -54,6 +56,18 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_moe": _SLIDING_ON,
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
+    # Hybrids: one mixer layer and one attention layer each (pure SSMs: mixers only); SSM chunks of 4 tokens, so the
+    # documents cross chunk boundaries as well as the 3- and 4-token conv kernels.
+    **dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    "nemotron_h": _MAMBA2 | {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
+    "mamba2": _MAMBA2 | {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16},
+    "falcon_h1": _MAMBA2_PREFIXED | {"mamba_d_ssm": 128},
+    "bamba": _MAMBA2_PREFIXED | {"attn_layer_indices": [1]},
+    "granitemoehybrid": _MAMBA2_PREFIXED | {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 8},
+    # zamba ties the shared attention block of its hybrid layers: it needs two of them.
+    "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8, "attention_head_dim": 32},
+    "zamba2": {**dict.fromkeys(("layer_types", "layers_block_type"), ["linear_attention", "hybrid"]), "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4},
 }
 
 
@@ -65,14 +79,21 @@ def tiny_config(model_type: str, **overrides):
     values = {name: value for name, value in _SHRINK.items() if name in fields and fields.get(name) is not None}
     if "qk_rope_head_dim" in fields:
         values.pop("head_dim", None)
-    if fields.get("layer_types"):
-        values["layer_types"] = _tiny_layer_types(fields["layer_types"])
+    # Read through the attribute map (nemotron_h stores it as `layers_block_type`); some configs derive it read-only.
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, list) and not _read_only(default, "layer_types"):
+        values["layer_types"] = _tiny_layer_types(layer_types)
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
             values[token] = 0
     values.update(ARCH_OVERRIDES.get(model_type, {}))
     values.update(overrides)
     return AutoConfig.for_model(model_type, **values)
+
+
+def _read_only(config, name: str) -> bool:
+    name = getattr(config, "attribute_map", {}).get(name, name)
+    return isinstance(getattr(type(config), name, None), property)
 
 
 def _tiny_layer_types(default_layer_types):
