@@ -36,6 +36,9 @@ class MixerCall:
     hidden: str = "hidden_states"
     mask: str = "attention_mask"
     cache: str = "cache_params"
+    # Returns `(output, final recurrent state)`; without a cache the caller drops the state, which per document
+    # group has no packed layout to go back to, so the wrapper returns `(output, None)`.
+    returns_state: bool = False
 
 
 _CACHE_PARAMS = MixerCall()
@@ -61,6 +64,7 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
     "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
     "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
+    "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(cache="past_key_values", returns_state=True)}),
 }
 
 # Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
@@ -146,7 +150,12 @@ def _wrap_forward(forward, call: MixerCall):
         extra = arguments.pop(_var_keyword(signature), {})
         extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
         arguments.pop("self")
-        return layout.run(lambda states: forward(module, **{call.hidden: states}, **arguments, **extra), hidden_states)
+        def mix(states):
+            output = forward(module, **{call.hidden: states}, **arguments, **extra)
+            return output[0] if call.returns_state else output
+
+        packed = layout.run(mix, hidden_states)
+        return (packed, None) if call.returns_state else packed
 
     return forward_per_document
 

@@ -26,6 +26,7 @@ MIXER_KINDS = {
     "mamba2 ssm, no attention": ("mamba2", "eager"),
     "mamba ssm": ("jamba", "sdpa"),
     "short conv": ("lfm2", "sdpa"),
+    "lightning attention": ("minimax", "sdpa"),
 }
 
 
@@ -42,7 +43,7 @@ def test_mixers_isolate_documents(model_type, backend):
 def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend):
     """Negative control: transformers' own packed path (per-document `position_ids`, no mask) isolates attention but
     not the mixers' conv and recurrent state. Measured max logit differences: qwen3_5_text 4.1e-2, nemotron_h 4.4e-1,
-    mamba2 2.8, jamba 4.4e-3, lfm2 6.1e-4 (its 3-token conv reaches two tokens into the next document)."""
+    mamba2 2.8, jamba 4.4e-3, lfm2 6.1e-4, minimax 5.0e-2 (its 3-token conv reaches two tokens into the next document)."""
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE

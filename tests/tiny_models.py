@@ -67,6 +67,9 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 8},
     # zamba ties the shared attention block of its hybrid layers: it needs two of them.
     "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8, "attention_head_dim": 32},
+    "minimax": {"block_size": 4},
+    # MLA attention needs as many key/value heads as query heads; the delta attention keeps 4-dim heads small.
+    "kimi_linear": {"num_key_value_heads": 4, "linear_num_heads": 4, "linear_head_dim": 16},
     "zamba2": {**dict.fromkeys(("layer_types", "layers_block_type"), ["linear_attention", "hybrid"]), "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4},
 }
 
