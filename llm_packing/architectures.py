@@ -125,6 +125,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
         "qwen3_5_moe_text",
         "qwen3_5_text",
         "qwen3_moe",

@@ -49,6 +49,14 @@ _SHRINK = {
 _SLIDING_ON = {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1, "layer_types": ["sliding_attention", "full_attention"]}
 _MAMBA2 = {"chunk_size": 4}
 _MAMBA2_PREFIXED = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 4}
+_QWEN3_5_TEXT = {
+    "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+_TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+_TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -68,6 +76,10 @@ ARCH_OVERRIDES: dict[str, dict] = {
     # zamba ties the shared attention block of its hybrid layers: it needs two of them.
     "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8, "attention_head_dim": 32},
     "minimax": {"block_size": 4},
+    # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
+    # one-block vision tower that the batches never reach.
+    "qwen3_5": {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION},
+    "qwen3_5_moe": {"text_config": _QWEN3_5_TEXT | _TINY_EXPERTS, "vision_config": _TINY_VISION},
     # MLA attention needs as many key/value heads as query heads; the delta attention keeps 4-dim heads small.
     "kimi_linear": {"num_key_value_heads": 4, "linear_num_heads": 4, "linear_head_dim": 16},
     "zamba2": {**dict.fromkeys(("layer_types", "layers_block_type"), ["linear_attention", "hybrid"]), "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4},
