@@ -60,6 +60,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "exaone_moe",
         "falcon",
         "falcon_h1",
+        "falcon_mamba",
         "flex_olmo",
         "flint",
         "gemma",
@@ -97,6 +98,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "lfm2_moe",
         "lfm3",
         "llama",
+        "mamba",
         "llama4_text",
         "mamba2",
         "mellum",
@@ -271,9 +273,8 @@ def _scan_reason(model_type: str) -> str | None:
     isolated_mixers = model_type in _mixer_model_types()
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
-    # Mixers take the 2-D mask that create_recurrent_attention_mask passes through (llm_packing.mixers re-batches).
-    builders = MASK_BUILDERS + (("create_recurrent_attention_mask",) if isolated_mixers else ())
-    if not any(re.search(rf"\b{builder}\b", source) for builder in builders):
+    # Mixers take the 2-D mask as the model hands it to them (llm_packing.mixers re-batches); pure SSMs build no other.
+    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
 
@@ -299,7 +300,7 @@ def supported_model_types() -> tuple[str, ...]:
     Example:
     ```python
     >>> from llm_packing.architectures import supported_model_types
-    >>> "llama" in supported_model_types(), "mamba" in supported_model_types()
+    >>> "llama" in supported_model_types(), "rwkv" in supported_model_types()
     (True, False)
 
     ```

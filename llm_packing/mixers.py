@@ -64,6 +64,9 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
     "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
     "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
+    # Pure SSMs: the model hands its 2-D mask straight to every mixer.
+    "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
+    "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
     "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(cache="past_key_values", returns_state=True)}),
 }
 
