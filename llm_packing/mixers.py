@@ -234,7 +234,7 @@ class DocumentBatches:
         # One zero row past the end: what right padding inside a group reads.
         source = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
         outputs = []
-        for index, real in zip(self.gather, self.real):
+        for index, real in zip(self.gather, self.real, strict=True):
             states = source[index]
             output = mixer(states)
             outputs.append(output.reshape(-1, *output.shape[2:]).index_select(0, real))

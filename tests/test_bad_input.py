@@ -429,7 +429,7 @@ class TestRefusedSetups:
 
     def test_hybrid_architecture_keeps_its_backend(self, model, bailing_hybrid, already_configured):
         before = hook_state()
-        with pytest.raises(UnsupportedSetupError, match=r"model_type 'bailing_hybrid': hybrid.*Supported model types: .*llama"):
+        with pytest.raises(UnsupportedSetupError, match=r"'bailing_hybrid': hybrid.*Supported model types: .*llama"):
             configure_packing(bailing_hybrid, attn_implementation="eager")
         assert bailing_hybrid.config._attn_implementation == "sdpa"
         self.assert_unchanged_then_normal(before, model, already_configured)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from test_parity import TOLERANCE, _forward, _max_differences, _token_losses
+from test_parity import TOLERANCE, _max_differences, _token_losses
 from tiny_models import packed_batch, tiny_model
 
 from llm_packing import mixers, verify_packing
@@ -43,7 +43,8 @@ def test_mixers_isolate_documents(model_type, backend):
 def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend):
     """Negative control: transformers' own packed path (per-document `position_ids`, no mask) isolates attention but
     not the mixers' conv and recurrent state. Measured max logit differences: qwen3_5_text 4.1e-2, nemotron_h 4.4e-1,
-    mamba2 2.8, jamba 4.4e-3, lfm2 6.1e-4, minimax 5.0e-2 (its 3-token conv reaches two tokens into the next document)."""
+    mamba2 2.8, jamba 4.4e-3, minimax 5.0e-2, lfm2 6.1e-4 (its 3-token conv reaches two tokens into the next
+    document)."""
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE
@@ -115,7 +116,8 @@ def test_gradients_through_checkpointed_mixers_equal_separate_documents():
         for start, length in spans:
             input_ids = batch["input_ids"][row : row + 1, start : start + length]
             logits = model(input_ids=input_ids, position_ids=torch.arange(length)[None], use_cache=False).logits
-            separate_loss = separate_loss + _token_losses(logits, batch["labels"][row : row + 1, start : start + length]).sum()
+            labels = batch["labels"][row : row + 1, start : start + length]
+            separate_loss = separate_loss + _token_losses(logits, labels).sum()
     separate = gradients(separate_loss)
     difference = max((a - b).abs().max().item() for a, b in zip(packed, separate, strict=True))
     assert difference <= TOLERANCE

@@ -55,7 +55,9 @@ _QWEN3_5_TEXT = {
     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "layer_types": ["linear_attention", "full_attention"],
 }
-_TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+_TINY_EXPERTS = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+}
 _TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
@@ -66,7 +68,8 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "gemma3_text": {"query_pre_attn_scalar": 16},
     # Hybrids: one mixer layer and one attention layer each (pure SSMs: mixers only); SSM chunks of 4 tokens, so the
     # documents cross chunk boundaries as well as the 3- and 4-token conv kernels.
-    **dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "nemotron_h": _MAMBA2 | {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
     "mamba2": _MAMBA2 | {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16},
     "falcon_h1": _MAMBA2_PREFIXED | {"mamba_d_ssm": 128},
@@ -74,7 +77,10 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "granitemoehybrid": _MAMBA2_PREFIXED | {"layer_types": ["linear_attention", "full_attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 8},
     # zamba ties the shared attention block of its hybrid layers: it needs two of them.
-    "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8, "attention_head_dim": 32},
+    "zamba": {
+        "layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8,
+        "attention_head_dim": 32,
+    },
     "minimax": {"block_size": 4},
     # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
     # one-block vision tower that the batches never reach.
@@ -82,7 +88,11 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_5_moe": {"text_config": _QWEN3_5_TEXT | _TINY_EXPERTS, "vision_config": _TINY_VISION},
     # MLA attention needs as many key/value heads as query heads; the delta attention keeps 4-dim heads small.
     "kimi_linear": {"num_key_value_heads": 4, "linear_num_heads": 4, "linear_head_dim": 16},
-    "zamba2": {**dict.fromkeys(("layer_types", "layers_block_type"), ["linear_attention", "hybrid"]), "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4},
+    # zamba2 derives its hybrid layer ids from `layers_block_type` before the `layer_types` alias is applied.
+    "zamba2": {
+        "layer_types": ["linear_attention", "hybrid"], "layers_block_type": ["linear_attention", "hybrid"],
+        "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4,
+    },
 }
 
 
