@@ -5,7 +5,9 @@ These mixers carry a convolution window and a recurrent state along the whole ro
 document into the next; their torch fallbacks ignore `cu_seqlens`/`seq_idx`. The hook re-batches instead: every mixer
 call receives a batch in which each document is its own right-padded sequence, starting from zero conv and recurrent
 state, and the outputs are scattered back into the packed layout. The mixers are causal, so the right padding cannot
-reach a document's tokens: this is exact with the torch fallbacks and the fast kernels alike, on any device.
+reach a document's tokens, whichever kernel runs the call: the parity matrix proves it with transformers' torch
+fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an ordinary padded batch but have not run
+here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path.
 
 Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
 more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
