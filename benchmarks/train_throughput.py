@@ -56,6 +56,12 @@ MODELS = {
                         "num_attention_heads": 2, "num_key_value_heads": 1}),
     "medium": ("llama", {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
                          "num_attention_heads": 8, "num_key_value_heads": 2}),
+    # Qwen3.5's layout (three gated-delta-net layers, then one attention layer) at the small model's width.
+    "qwen3_5_small": ("qwen3_5_text", {"vocab_size": 8192, "hidden_size": 128, "intermediate_size": 352,
+                                       "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                       "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                                       "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                                       "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
     "0.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
                        "rope_theta": 1_000_000.0}),
@@ -204,6 +210,32 @@ def time_mask_builders(model, sync) -> dict:
     return spent
 
 
+def time_mixers(model, sync) -> dict:
+    """Forward time inside the hybrid mixers ("mixer"), and the part of it that llm_packing spends re-batching
+    documents (layout, gather, scatter: "rebatch" = mixer time outside the per-document mixer calls)."""
+    from llm_packing import mixers
+
+    spent = {"mixer": 0.0, "inner": 0.0}
+
+    def timed(function, key):
+        @functools.wraps(function)
+        def wrapper(*a, **k):
+            sync()
+            start = time.perf_counter()
+            out = function(*a, **k)
+            sync()
+            spent[key] += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    for cls in mixers.mixer_classes(model.config.model_type):
+        cls.forward = timed(cls.forward, "mixer")
+    run = mixers.DocumentBatches.run
+    mixers.DocumentBatches.run = lambda self, mixer, states: run(self, timed(mixer, "inner"), states)
+    return spent
+
+
 def run_configuration(args) -> dict:
     import datasets
     import torch
@@ -216,6 +248,7 @@ def run_configuration(args) -> dict:
     batches = step_batches(name, documents, args)
     model, collator = build(name, backend, args)
     spent = time_mask_builders(model, sync)
+    mixer_time = time_mixers(model, sync)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     # bf16 as Trainer's `bf16=True` runs it: fp32 master weights under autocast.
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
@@ -230,6 +263,7 @@ def run_configuration(args) -> dict:
         collated = time.perf_counter()
         batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         spent["s"] = 0.0
+        mixer_time.update(mixer=0.0, inner=0.0)
         with autocast:
             loss = model(**batch).loss
         loss.backward()
@@ -240,7 +274,9 @@ def run_configuration(args) -> dict:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()}")
         steps.append({"seconds": seconds, "cpu": cpu_seconds, "mask": collated - start + spent["s"],
-                      "real": sum(len(f["input_ids"]) for f in features), "tensor": batch["input_ids"].numel()})
+                      "real": sum(len(f["input_ids"]) for f in features), "tensor": batch["input_ids"].numel(),
+                      "mixer": mixer_time["mixer"], "rebatch": mixer_time["mixer"] - mixer_time["inner"]
+                      if mixer_time["inner"] else 0.0})
     peak = (torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"steps": steps[args.warmup :], "peak_mib": peak, "base_mib": 0.0 if args.device == "cuda" else base_rss}
@@ -268,6 +304,8 @@ def summarise(result: dict) -> dict:
         "padding": 1 - sum(s["real"] for s in steps) / sum(s["tensor"] for s in steps),
         "mask": float(np.median([s["mask"] / s["seconds"] for s in steps])),
         "real": float(np.mean([s["real"] for s in steps])),
+        "mixer": float(np.median([s["mixer"] / s["seconds"] for s in steps])),
+        "rebatch": float(np.median([s["rebatch"] / s["seconds"] for s in steps])),
         "peak_mib": result["peak_mib"], "base_mib": result["base_mib"],
     }
 
@@ -323,6 +361,12 @@ def targets(rows: dict, args) -> list[str]:
         lines.append(f"- mask/metadata < 5% of a step in every llm_packing configuration: {verdict} (worst "
                      f"{shares[worst]:.2%}: {' '.join(worst[1:])} on {worst[0]})")
     return lines
+
+
+def mixers_table() -> dict:
+    from llm_packing.mixers import MIXERS
+
+    return MIXERS
 
 
 def plot(rows: dict, path: str, title: str, device: str) -> None:
@@ -426,6 +470,11 @@ def main() -> None:
     lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
     for dataset in DATASETS:
         lines += [f"## {dataset}\n", *table(rows, dataset, args.device), ""]
+    if MODELS[args.model][0] in mixers_table():
+        lines += ["## Mixer path (share of the step's wall time: mixer forwards; llm_packing's re-batching in them)\n",
+                  "| dataset | configuration | attention | mixer forwards | re-batching |", "|---|---|---|---|---|"]
+        lines += [f"| {ds} | {name} | {backend} | {r['mixer']:.1%} | {r['rebatch']:.2%} |"
+                  for (ds, name, backend), r in rows.items() if "mixer" in r] + [""]
     lines += ["## Targets\n", *targets(rows, args)]
     report = "\n".join(lines) + "\n"
     print(report)

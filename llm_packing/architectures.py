@@ -48,6 +48,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "aria_text",
         "axk1",
         "axk2",
+        "bamba",
         "beam",
         "biogpt",
         "bitnet",
@@ -71,6 +72,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "exaone4",
         "exaone_moe",
         "falcon",
+        "falcon_h1",
+        "falcon_mamba",
         "flex_olmo",
         "flint",
         "gemma",
@@ -100,6 +103,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "granite_swa",
         "granitemoe",
         "granitemoe_swa",
+        "granitemoehybrid",
         "granitemoeshared",
         "helium",
         "hrm_text",
@@ -111,16 +115,24 @@ VERIFIED_MODEL_TYPES = frozenset(
         "internlm3",
         "iquestcoder",
         "jais2",
+        "jamba",
         "jetmoe",
+        "kimi_linear",
         "kolibri1",
         "laguna",
+        "lfm2",
+        "lfm2_moe",
+        "lfm3",
         "llama",
         "llama4",
         "llama4_text",
         "longcat_flash",
+        "mamba",
+        "mamba2",
         "mellum",
         "mimo_v2_flash",
         "minicpm3",
+        "minimax",
         "minimax_m2",
         "minimax_m3_vl_text",
         "ministral",
@@ -133,9 +145,11 @@ VERIFIED_MODEL_TYPES = frozenset(
         "mpt",
         "nanochat",
         "nemotron",
+        "nemotron_h",
         "olmo",
         "olmo2",
         "olmo3",
+        "olmo_hybrid",
         "olmoe",
         "opt",
         "persimmon",
@@ -146,7 +160,12 @@ VERIFIED_MODEL_TYPES = frozenset(
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
         "qwen3_moe",
+        "qwen3_next",
         "seed_oss",
         "smollm3",
         "solar_open",
@@ -156,6 +175,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "whisper",
         "xglm",
         "youtu",
+        "zamba",
+        "zamba2",
     }
 )
 
@@ -224,6 +245,8 @@ REFUSED_BACKENDS: dict[tuple[str, str], str] = {
 # dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity matrix's route axis.
 SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
+    "gemma4_unified": "its mask builders get `block_sequence_ids` (bidirectional media blocks), which per-document SDPA "
+    "does not express",
 }
 
 _HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"mamba"', '"recurrent"')
@@ -273,11 +296,19 @@ def _scan_reason(model_type: str) -> str | None:
     source = _modeling_source(model_type)
     if source is None:
         return f"the modeling module of {_causal_lm_classes()[model_type]} was not found"
-    if any(marker in source for marker in _HYBRID_MARKERS):
+    isolated_mixers = model_type in _mixer_model_types()
+    if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
-    if not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
+    # Mixers take the 2-D mask as the model hands it to them (llm_packing.mixers re-batches); pure SSMs build no other.
+    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
+
+
+def _mixer_model_types():
+    from .mixers import MIXERS
+
+    return MIXERS.keys()
 
 
 @functools.cache
@@ -295,7 +326,7 @@ def supported_model_types() -> tuple[str, ...]:
     Example:
     ```python
     >>> from llm_packing.architectures import supported_model_types
-    >>> "llama" in supported_model_types(), "mamba" in supported_model_types()
+    >>> "llama" in supported_model_types(), "rwkv" in supported_model_types()
     (True, False)
 
     ```
@@ -367,7 +398,7 @@ def require_supported(config) -> None:
     backend = getattr(config, "_attn_implementation", None)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
-    if reason is None and (stateful := non_attention_layer_types(config)):
+    if reason is None and model_type not in _mixer_model_types() and (stateful := non_attention_layer_types(config)):
         reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
     if reason is None:
         return
@@ -385,6 +416,9 @@ def sdpa_route(config) -> tuple[str, str | None]:
         return "dense", SDPA_DENSE_MODEL_TYPES[model_type]
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "dense", "attention logit softcapping, which SDPA cannot apply"
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "index_topk", None) is not None:
+        return "dense", "its sparse key indexer reads the dense mask itself"
     return "varlen", None
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _compat, multimodal, varlen
+from . import _compat, mixers, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
@@ -100,6 +100,8 @@ def configure_packing(
         _set_backend(model_or_config, config, attn_implementation)
     try:
         require_supported(config)
+        if isinstance(model_or_config, torch.nn.Module):
+            mixers.check_mixers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             _mask_route(backend, config)
@@ -112,6 +114,7 @@ def configure_packing(
     _import_modeling_module(config)
     _patch_all()
     multimodal.guard_media_inputs(model_or_config)
+    mixers.patch_mixers(config.model_type)
     return model_or_config
 
 
@@ -131,6 +134,7 @@ def _set_backend(model_or_config, config, backend: str) -> None:
 def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
     multimodal.remove_media_guards()
+    mixers.unpatch_mixers()
     if not _originals:
         return
     from transformers import masking_utils

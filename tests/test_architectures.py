@@ -42,7 +42,7 @@ def test_candidates_are_mapped_through_the_modeling_module_that_defines_the_clas
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
-    [("mamba", "without create_causal_mask"), ("qwen3_next", "hybrid"), ("jamba", "hybrid"), ("recurrent_gemma", "hybrid")],
+    [("rwkv", "without create_causal_mask"), ("bailing_hybrid", "hybrid"), ("recurrent_gemma", "hybrid")],
 )
 def test_hybrid_and_unreachable_architectures_are_refused(model_type, reason):
     assert reason in REFUSED_MODEL_TYPES[model_type]
@@ -53,7 +53,7 @@ def test_require_supported_accepts_a_supported_type():
     require_supported(SimpleNamespace(model_type="llama", layer_types=None))
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next", "no_such_model"])
+@pytest.mark.parametrize("model_type", ["rwkv", "recurrent_gemma", "no_such_model"])
 def test_require_supported_names_the_refused_type(model_type):
     with pytest.raises(UnsupportedSetupError, match=rf"model_type '{model_type}'.*Supported model types: .*llama"):
         require_supported(SimpleNamespace(model_type=model_type))
@@ -63,6 +63,12 @@ def test_require_supported_refuses_non_attention_layers_of_a_supported_type():
     config = SimpleNamespace(model_type="qwen2", layer_types=["full_attention", "linear_attention"])
     with pytest.raises(UnsupportedSetupError, match=r"'qwen2'.*\['linear_attention'\]"):
         require_supported(config)
+
+
+def test_hybrids_whose_mixers_are_isolated_are_supported():
+    """llm_packing.mixers re-batches their mixers per document; tests/test_parity.py and tests/test_mixers.py prove it."""
+    assert {"qwen3_5_text", "qwen3_next", "nemotron_h", "mamba2", "lfm2", "jamba", "mamba"} <= set(supported_model_types())
+    require_supported(SimpleNamespace(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"]))
 
 
 def test_require_supported_looks_into_text_config():

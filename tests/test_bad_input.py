@@ -93,8 +93,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def jamba():
-    return tiny_model("jamba", attn_implementation="sdpa")
+def bailing_hybrid():
+    return tiny_model("bailing_hybrid", attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -422,11 +422,11 @@ class TestRefusedSetups:
             configure_packing(model, attn_implementation="flash_attention_2")
         self.assert_unchanged_then_normal(before, model, already_configured)
 
-    def test_hybrid_architecture_keeps_its_backend(self, model, jamba, already_configured):
+    def test_hybrid_architecture_keeps_its_backend(self, model, bailing_hybrid, already_configured):
         before = hook_state()
-        with pytest.raises(UnsupportedSetupError, match=r"model_type 'jamba': hybrid.*Supported model types: .*llama"):
-            configure_packing(jamba, attn_implementation="eager")
-        assert jamba.config._attn_implementation == "sdpa"
+        with pytest.raises(UnsupportedSetupError, match=r"'bailing_hybrid': hybrid.*Supported model types: .*llama"):
+            configure_packing(bailing_hybrid, attn_implementation="eager")
+        assert bailing_hybrid.config._attn_implementation == "sdpa"
         self.assert_unchanged_then_normal(before, model, already_configured)
 
     def test_unsupported_architecture(self, model, bloom, already_configured):

@@ -58,6 +58,18 @@ _SLIDING_ON = {
     "max_window_layers": 1,
     "layer_types": ["sliding_attention", "full_attention"],
 }
+_MAMBA2 = {"chunk_size": 4}
+_MAMBA2_PREFIXED = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 4}
+_QWEN3_5_TEXT = {
+    "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+_TINY_EXPERTS = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+}
+_TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -110,6 +122,33 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
     "gpt_neo": {"num_heads": 4, "attention_layers": ["local", "global"], "window_size": WINDOW},
+    # Hybrids: one mixer layer and one attention layer each (pure SSMs: mixers only); SSM chunks of 4 tokens, so the
+    # documents cross chunk boundaries as well as the 3- and 4-token conv kernels.
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "nemotron_h": _MAMBA2 | {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16},
+    "mamba2": _MAMBA2 | {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16},
+    "falcon_h1": _MAMBA2_PREFIXED | {"mamba_d_ssm": 128},
+    "bamba": _MAMBA2_PREFIXED | {"attn_layer_indices": [1]},
+    "granitemoehybrid": _MAMBA2_PREFIXED | {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 8},
+    # zamba ties the shared attention block of its hybrid layers: it needs two of them.
+    "zamba": {
+        "layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3, "mamba_dt_rank": 8,
+        "attention_head_dim": 32,
+    },
+    "minimax": {"block_size": 4},
+    # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
+    # one-block vision tower that the batches never reach.
+    "qwen3_5": {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION},
+    "qwen3_5_moe": {"text_config": _QWEN3_5_TEXT | _TINY_EXPERTS, "vision_config": _TINY_VISION},
+    # MLA attention needs as many key/value heads as query heads; the delta attention keeps 4-dim heads small.
+    "kimi_linear": {"num_key_value_heads": 4, "linear_num_heads": 4, "linear_head_dim": 16},
+    # zamba2 derives its hybrid layer ids from `layers_block_type` before the `layer_types` alias is applied.
+    "zamba2": {
+        "layer_types": ["linear_attention", "hybrid"], "layers_block_type": ["linear_attention", "hybrid"],
+        "n_mamba_heads": 8, "mamba_d_state": 16, "chunk_size": 4,
+    },
 }
 
 
@@ -134,8 +173,10 @@ def _shrunk_fields(config) -> dict:
         values["num_key_value_heads"] = values.get("num_attention_heads", 4)
         if "head_dim" in fields:
             values["head_dim"] = _SHRINK["qk_rope_head_dim"]
-    if fields.get("layer_types"):
-        values["layer_types"] = _tiny_layer_types(fields["layer_types"])
+    # Read through the attribute map (nemotron_h stores it as `layers_block_type`); some configs derive it read-only.
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and not _read_only(config, "layer_types"):
+        values["layer_types"] = _tiny_layer_types(layer_types)
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
             values[token] = 0
@@ -157,6 +198,11 @@ def _nested_fields(config) -> dict:
         if name == "per_layer_config" or (isinstance(value, list) and len(value) == layers and name not in shrunk)
     }
     return {name: value for name, value in {**config.to_dict(), **shrunk}.items() if name not in per_layer}
+
+
+def _read_only(config, name: str) -> bool:
+    name = getattr(config, "attribute_map", {}).get(name, name)
+    return isinstance(getattr(type(config), name, None), property)
 
 
 def _tiny_layer_types(default_layer_types):

@@ -1,0 +1,273 @@
+"""Per-document isolation for the non-attention mixers of hybrid models (gated delta nets, Mamba/Mamba2 SSMs, short
+convolutions, lightning attention, ...).
+
+These mixers carry a convolution window and a recurrent state along the whole row, so a packed row leaks each
+document into the next; their torch fallbacks ignore `cu_seqlens`/`seq_idx`. The hook re-batches instead: every mixer
+call receives a batch in which each document is its own right-padded sequence, starting from zero conv and recurrent
+state, and the outputs are scattered back into the packed layout. The mixers are causal, so the right padding cannot
+reach a document's tokens, whichever kernel runs the call: the parity matrix proves it with transformers' torch
+fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an ordinary padded batch but have not run
+here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path.
+
+Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
+more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
+(transformers' `create_recurrent_attention_mask` passes the 2-D mask through unchanged) and is remembered per thread,
+keyed by that mask tensor: every mixer layer of one forward shares one host sync.
+
+`MIXERS` is the one table of mixer classes the hook wraps; a hybrid type absent from it stays refused.
+"""
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from .errors import ContaminationError, UnsupportedSetupError
+from .masks import _is_integer_2d, validate_document_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerCall:
+    """How a mixer's `forward` receives what the hook needs: the hidden states, the 2-D mask and the cache."""
+
+    hidden: str = "hidden_states"
+    mask: str = "attention_mask"
+    cache: str = "cache_params"
+    # Returns `(output, final recurrent state)`; without a cache the caller drops the state, which per document
+    # group has no packed layout to go back to, so the wrapper returns `(output, None)`.
+    returns_state: bool = False
+
+
+_CACHE_PARAMS = MixerCall()
+_PAST_KEY_VALUES = MixerCall(cache="past_key_values")
+
+# model_type -> (modeling module, {mixer class name: how to call it}). Model types that share a module list it.
+MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
+    "qwen3_5": ("qwen3_5", {"Qwen3_5GatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_text": ("qwen3_5", {"Qwen3_5GatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_moe": ("qwen3_5_moe", {"Qwen3_5MoeGatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_moe_text": ("qwen3_5_moe", {"Qwen3_5MoeGatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_next": ("qwen3_next", {"Qwen3NextGatedDeltaNet": _CACHE_PARAMS}),
+    "nemotron_h": ("nemotron_h", {"NemotronHMamba2Mixer": _CACHE_PARAMS}),
+    "granitemoehybrid": ("granitemoehybrid", {"GraniteMoeHybridMambaLayer": _CACHE_PARAMS}),
+    "falcon_h1": ("falcon_h1", {"FalconH1Mixer": _CACHE_PARAMS}),
+    "bamba": ("bamba", {"BambaMixer": _CACHE_PARAMS}),
+    "mamba2": ("mamba2", {"Mamba2Mixer": _CACHE_PARAMS}),
+    "lfm2": ("lfm2", {"Lfm2ShortConv": _PAST_KEY_VALUES}),
+    "lfm2_moe": ("lfm2_moe", {"Lfm2MoeShortConv": _PAST_KEY_VALUES}),
+    "lfm3": ("lfm3", {"Lfm3ShortConv": _PAST_KEY_VALUES}),
+    "jamba": ("jamba", {"JambaMambaMixer": _CACHE_PARAMS}),
+    "zamba": ("zamba", {"ZambaMambaMixer": _CACHE_PARAMS}),
+    "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
+    "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
+    "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
+    # Pure SSMs: the model hands its 2-D mask straight to every mixer.
+    "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
+    "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
+    "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(cache="past_key_values", returns_state=True)}),
+}
+
+# Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
+_ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+
+_originals: dict[type, object] = {}  # mixer class -> its original `forward`
+
+
+def mixer_classes(model_type: str) -> list[type]:
+    """The mixer classes of `model_type` that the hook wraps (imports the modeling module); [] if it has none."""
+    if model_type not in MIXERS:
+        return []
+    module_name, calls = MIXERS[model_type]
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    return [getattr(module, name) for name in calls]
+
+
+def patch_mixers(model_type: str) -> None:
+    """Wrap the `forward` of every mixer class of `model_type` (idempotent)."""
+    if model_type not in MIXERS:
+        return
+    calls = MIXERS[model_type][1]
+    for cls in mixer_classes(model_type):
+        if cls not in _originals:
+            _originals[cls] = cls.forward
+            cls.forward = _wrap_forward(cls.forward, calls[cls.__name__])
+
+
+def unpatch_mixers() -> None:
+    """Restore every mixer `forward` that [`patch_mixers`] replaced."""
+    for cls, forward in _originals.items():
+        cls.forward = forward
+    _originals.clear()
+
+
+def check_mixers_covered(model) -> None:
+    """Refuse a model holding a mixer the table lacks for its type (a new layer kind in a newer transformers, a custom
+    model): it would carry state across documents unwrapped."""
+    model_type = model.config.model_type
+    handled = tuple(mixer_classes(model_type))
+    covered: list[str] = []  # names of the handled mixers: their submodules run inside them, per document
+    for name, module in model.named_modules():
+        if isinstance(module, handled):
+            covered.append(name + ".")
+        elif _looks_like_mixer(module) and not name.startswith(tuple(covered)) and not _in_media_tower(name):
+            raise UnsupportedSetupError(
+                f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a non-attention mixer "
+                "(it owns a causal convolution) that llm_packing does not isolate (handled for this type: "
+                f"{sorted(cls.__name__ for cls in handled)}). Train this model without packing, or add the class to "
+                "`llm_packing.mixers.MIXERS` with a parity test."
+            )
+
+
+def _in_media_tower(name: str) -> bool:
+    """Audio and vision encoders run only on media inputs, which `multimodal.guard_media_inputs` refuses in packed
+    batches (phi4_multimodal's audio encoder owns convolutions that never see packed text)."""
+    return any(word in part for part in name.split(".") for word in _TOWER_WORDS)
+
+
+_TOWER_WORDS = ("audio", "vision", "visual", "image", "speech")
+
+
+def _looks_like_mixer(module: torch.nn.Module) -> bool:
+    """Every conv, SSM and delta-net mixer of transformers owns the short causal convolution that carries state."""
+    return any(isinstance(child, torch.nn.Conv1d) for child in module.children())
+
+
+def _wrap_forward(forward, call: MixerCall):
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def forward_per_document(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        mask = arguments.get(call.mask)
+        if not _is_integer_2d(mask):
+            return forward(*args, **kwargs)
+        layout = _layout(mask)
+        if layout is None:
+            return forward(*args, **kwargs)
+        module = arguments["self"]
+        if arguments.get(call.cache) is not None:
+            raise ContaminationError(
+                f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
+                f"(`{call.cache}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
+                "into the next. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = "
+                "False`."
+            )
+        hidden_states = arguments.pop(call.hidden)
+        arguments[call.mask] = None
+        arguments[call.cache] = None
+        extra = arguments.pop(_var_keyword(signature), {})
+        extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
+        arguments.pop("self")
+        def mix(states):
+            output = forward(module, **{call.hidden: states}, **arguments, **extra)
+            return output[0] if call.returns_state else output
+
+        packed = layout.run(mix, hidden_states)
+        return (packed, None) if call.returns_state else packed
+
+    return forward_per_document
+
+
+def _var_keyword(signature: inspect.Signature) -> str:
+    return next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), "kwargs")
+
+
+class DocumentBatches:
+    """
+    The documents of a packed batch as right-padded groups of similar length: where each group's tokens come from
+    in the flattened `(batch_size * length)` row layout, and where its real tokens go back.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.mixers import DocumentBatches
+    >>> layout = DocumentBatches.from_mask(torch.tensor([[1, 1, 1, 2, 0], [1, 2, 2, 3, 3]]))
+    >>> [group.shape for group in layout.gather]
+    [torch.Size([1, 3]), torch.Size([2, 2]), torch.Size([2, 1])]
+    >>> layout.run(lambda states: states.cumsum(1), torch.ones(2, 5, 1))[..., 0]
+    tensor([[1., 2., 3., 1., 0.],
+            [1., 1., 2., 1., 2.]])
+
+    ```
+    """
+
+    def __init__(self, gather: list[torch.Tensor], real: list[torch.Tensor], targets: torch.Tensor, shape):
+        self.gather = gather  # per group: (documents, width) flat token index, `batch_size * length` on padding
+        self.real = real  # per group: positions of the real tokens in the group's flattened (documents * width)
+        self.targets = targets  # flat token index of every real token, in the groups' order
+        self.shape = shape  # (batch_size, length)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "DocumentBatches":
+        """The layout of an indexed mask (`batch_size`, `length`): 1-based document ids, 0 on padding."""
+        return cls.from_ids(mask.detach().cpu().long().numpy(), mask.device)
+
+    @classmethod
+    def from_ids(cls, ids: np.ndarray, device: torch.device) -> "DocumentBatches":
+        validate_document_ids(ids)
+        flat = ids.reshape(-1)
+        tokens = np.flatnonzero(flat)
+        row = tokens // ids.shape[1]
+        starts = np.ones(len(tokens), dtype=bool)
+        starts[1:] = (flat[tokens[1:]] != flat[tokens[:-1]]) | (row[1:] != row[:-1])
+        first = np.flatnonzero(starts)
+        lengths = np.diff(np.append(first, len(tokens)))
+        begins = tokens[first]  # flat index of each document's first token (documents are contiguous runs)
+        buckets = np.ceil(np.log2(lengths)).astype(np.int64)
+        pad_index = flat.size
+        gather, real, targets = [], [], []
+        for bucket in np.unique(buckets)[::-1]:
+            chosen = np.flatnonzero(buckets == bucket)
+            width = int(lengths[chosen].max())
+            offsets = np.arange(width)
+            inside = offsets[None, :] < lengths[chosen, None]
+            index = np.where(inside, begins[chosen, None] + offsets[None, :], pad_index)
+            gather.append(index)
+            real.append(np.flatnonzero(inside.reshape(-1)))
+            targets.append(index[inside])
+        return cls(
+            [torch.from_numpy(index).to(device) for index in gather],
+            [torch.from_numpy(positions).to(device) for positions in real],
+            torch.from_numpy(np.concatenate(targets)).to(device),
+            tuple(ids.shape),
+        )
+
+    def run(self, mixer, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`mixer` applied to every document alone; padding positions of the packed layout get zeros."""
+        batch_size, length = self.shape
+        flat = hidden_states.reshape(batch_size * length, *hidden_states.shape[2:])
+        # One zero row past the end: what right padding inside a group reads.
+        source = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+        outputs = []
+        for index, real in zip(self.gather, self.real, strict=True):
+            states = source[index]
+            output = mixer(states)
+            outputs.append(output.reshape(-1, *output.shape[2:]).index_select(0, real))
+        values = torch.cat(outputs)
+        packed = values.new_zeros(batch_size * length, *values.shape[1:]).index_copy(0, self.targets, values)
+        return packed.view(batch_size, length, *values.shape[1:])
+
+
+class _LayoutPerThread(threading.local):
+    mask = None
+    version = None
+    layout = None
+
+
+_last = _LayoutPerThread()
+
+
+def _layout(mask: torch.Tensor) -> DocumentBatches | None:
+    """The layout of an indexed mask, or None for a plain 0/1 mask; one host sync per mask object and version."""
+    if _last.mask is not None and _last.mask() is mask and _last.version == mask._version:
+        return _last.layout
+    ids = mask.detach().cpu().long().numpy()
+    layout = DocumentBatches.from_ids(ids, mask.device) if ids.max(initial=0) > 1 else None
+    _last.mask, _last.version, _last.layout = weakref.ref(mask), mask._version, layout
+    return layout

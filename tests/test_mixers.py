@@ -1,0 +1,155 @@
+"""Hybrid models: the non-attention mixers (gated delta net, Mamba2 and Mamba SSMs, short convolutions) run each
+document alone under the hook, and leak without it.
+
+The parity matrix (tests/test_parity.py) proves every verified hybrid on every backend; these tests keep one
+architecture per mixer kind in every CI pass, and check the guards: caches refused, unknown mixers refused, originals
+restored, `verify_packing` catching a mixer that is not isolated, gradients through checkpointed mixers.
+"""
+
+import threading
+
+import pytest
+import torch
+from test_parity import TOLERANCE, _max_differences, _token_losses
+from tiny_models import packed_batch, tiny_model
+
+from llm_packing import mixers, verify_packing
+from llm_packing.errors import ContaminationError, UnsupportedSetupError
+from llm_packing.mixers import MIXERS, DocumentBatches
+from llm_packing.patch import configure_packing, packing_configured, unconfigure_packing
+
+
+# One architecture per mixer kind, with the backend it runs here.
+MIXER_KINDS = {
+    "gated delta net": ("qwen3_5_text", "sdpa"),
+    "mamba2 ssm": ("nemotron_h", "sdpa"),
+    "mamba2 ssm, no attention": ("mamba2", "eager"),
+    "mamba ssm": ("jamba", "sdpa"),
+    "short conv": ("lfm2", "sdpa"),
+    "lightning attention": ("minimax", "sdpa"),
+}
+
+
+@pytest.mark.parametrize(("model_type", "backend"), MIXER_KINDS.values(), ids=MIXER_KINDS)
+def test_mixers_isolate_documents(model_type, backend):
+    model = tiny_model(model_type, backend)
+    batch = packed_batch()
+    with packing_configured(model):
+        logit_difference, loss_difference = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE, (logit_difference, loss_difference)
+
+
+@pytest.mark.parametrize(("model_type", "backend"), MIXER_KINDS.values(), ids=MIXER_KINDS)
+def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend):
+    """Negative control: transformers' own packed path (per-document `position_ids`, no mask) isolates attention but
+    not the mixers' conv and recurrent state. Measured max logit differences: qwen3_5_text 4.1e-2, nemotron_h 4.4e-1,
+    mamba2 2.8, jamba 4.4e-3, minimax 5.0e-2, lfm2 6.1e-4 (its 3-token conv reaches two tokens into the next
+    document)."""
+    model = tiny_model(model_type, backend)
+    logit_difference, _ = _max_differences(model, packed_batch())
+    assert logit_difference > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "mamba2"])
+def test_packed_forward_with_a_cache_is_refused(model_type):
+    model = tiny_model(model_type, "eager")
+    batch = packed_batch()
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with packing_configured(model), pytest.raises(ContaminationError, match="use_cache=False"):
+        model(**inputs, use_cache=True)
+
+
+def test_unconfigure_restores_every_mixer_forward():
+    model = tiny_model("qwen3_5_text")
+    classes = mixers.mixer_classes("qwen3_5_text")
+    originals = [cls.forward for cls in classes]
+    configure_packing(model)
+    try:
+        assert [cls.forward for cls in classes] != originals
+    finally:
+        unconfigure_packing()
+    assert [cls.forward for cls in classes] == originals
+    assert not mixers._originals
+
+
+def test_mixer_missing_from_the_table_is_refused(monkeypatch):
+    model = tiny_model("qwen3_5_text")
+    monkeypatch.setitem(MIXERS, "qwen3_5_text", ("qwen3_5", {}))
+    with pytest.raises(UnsupportedSetupError, match="Qwen3_5GatedDeltaNet.*does not isolate"):
+        configure_packing(model)
+    assert not mixers._originals
+
+
+def test_verify_packing_catches_a_mixer_leak():
+    """Attention isolated but the gated delta net left on the packed row: `verify_packing`'s documents (9, 7, 11
+    tokens, longer than the 4-token conv kernel) expose it."""
+    model = tiny_model("qwen3_5_text")
+    with packing_configured(model):
+        assert verify_packing(model) <= TOLERANCE
+        mixers.unpatch_mixers()
+        with pytest.raises(ContaminationError, match="qwen3_5_text"):
+            verify_packing(model)
+
+
+def test_gradients_through_checkpointed_mixers_equal_separate_documents():
+    """Training: with gradient checkpointing the mixers run again in backward, outside the model's forward; the
+    gradients of the packed loss equal those of the documents' losses summed."""
+    model = tiny_model("qwen3_5_text")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    batch = packed_batch()
+
+    def gradients(loss):
+        # `.backward()`, not `autograd.grad`: reentrant checkpointing supports only the former.
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with packing_configured(model):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+            use_cache=False,
+        ).logits
+        packed = gradients(_token_losses(logits, batch["labels"]).sum())
+    separate_loss = 0
+    for row, spans in enumerate(batch["documents"]):
+        for start, length in spans:
+            input_ids = batch["input_ids"][row : row + 1, start : start + length]
+            logits = model(input_ids=input_ids, position_ids=torch.arange(length)[None], use_cache=False).logits
+            labels = batch["labels"][row : row + 1, start : start + length]
+            separate_loss = separate_loss + _token_losses(logits, labels).sum()
+    separate = gradients(separate_loss)
+    difference = max((a - b).abs().max().item() for a, b in zip(packed, separate, strict=True))
+    assert difference <= TOLERANCE
+
+
+def test_layout_follows_the_mask_of_each_forward_and_thread():
+    """The layout is remembered per thread and per mask object and version: a new mask, an in-place edit or another
+    thread never reuses a stale one."""
+    model = tiny_model("qwen3_5_text")
+    first = packed_batch()
+    second = packed_batch(document_lengths=((2, 9, 7), (18,)), seed=1)
+    with packing_configured(model):
+        assert _max_differences(model, first, attention_mask=first["attention_mask"])[0] <= TOLERANCE
+        assert _max_differences(model, second, attention_mask=second["attention_mask"])[0] <= TOLERANCE
+        mask = torch.tensor([[1, 1, 1, 2, 2, 2]])
+        assert [g.shape for g in mixers._layout(mask).gather] == [torch.Size([2, 3])]
+        mask[0, 2] = 2
+        assert [g.shape for g in mixers._layout(mask).gather] == [torch.Size([1, 4]), torch.Size([1, 2])]
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(mixers._last.layout))
+        thread.start()
+        thread.join()
+        assert seen == [None]
+
+
+def test_document_batches_group_by_length_and_zero_the_padding():
+    layout = DocumentBatches.from_mask(torch.tensor([[1] * 9 + [2] * 2 + [0], [1, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0]]))
+    # Power-of-two buckets: 9 in (8, 16], 5 in (4, 8], 3 in (2, 4], then 2 and 1; no group is more than half padding.
+    assert [tuple(group.shape) for group in layout.gather] == [(1, 9), (1, 5), (1, 3), (1, 2), (1, 1)]
+    states = torch.arange(24.0).view(2, 12, 1)
+    assert torch.equal(layout.run(lambda x: x, states)[..., 0], torch.where(torch.tensor(
+        [[1] * 11 + [0], [1] * 9 + [0] * 3]).bool(), states[..., 0], 0))
+    # A causal running sum restarts at every document.
+    sums = layout.run(lambda x: x.cumsum(1), torch.ones(2, 12, 1))[..., 0]
+    assert sums.tolist() == [[*range(1, 10), 1, 2, 0], [1, 1, 2, 3, 1, 2, 3, 4, 5, 0, 0, 0]]
