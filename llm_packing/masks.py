@@ -114,13 +114,8 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     ids = host.to(torch.int64).numpy()
     if ids.max(initial=0) > 1:
         validate_document_ids(ids)
-        flat = ids.reshape(-1)
-        indices = np.flatnonzero(flat)
-        row = indices // ids.shape[1]
-        # A new document starts where the (row, document id) pair changes between consecutive real tokens.
-        starts = np.ones(len(indices), dtype=bool)
-        starts[1:] = (flat[indices[1:]] != flat[indices[:-1]]) | (row[1:] != row[:-1])
-        cu_seqlens = np.append(np.flatnonzero(starts), len(indices))
+        indices, first = document_runs(ids)
+        cu_seqlens = np.append(first, len(indices))
     else:
         # One segment per row, rows without tokens included, as transformers' own `_get_unpad_data` does.
         indices = np.flatnonzero(ids.reshape(-1))
@@ -158,6 +153,29 @@ def document_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = (ids[:, 1:] != ids[:, :-1]) | (ids[:, 1:] == 0)
     first_column_of_segment = torch.where(starts, columns, torch.zeros_like(columns)).cummax(dim=1).values
     return columns - first_column_of_segment
+
+
+def document_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """
+    The real tokens of indexed document ids (`(batch_size, length)`, 0 on padding) and where each document starts.
+
+    Returns the flat indices of the non-zero ids, and for each document the position in that array of its first token:
+    a document starts where the (row, document id) pair changes between consecutive real tokens.
+
+    Example:
+    ```python
+    >>> import numpy as np
+    >>> document_runs(np.array([[1, 1, 2, 2, 2, 0], [1, 0, 0, 0, 0, 0]]))
+    (array([0, 1, 2, 3, 4, 6]), array([0, 2, 5]))
+
+    ```
+    """
+    flat = ids.reshape(-1)
+    tokens = np.flatnonzero(flat)
+    row = tokens // ids.shape[1]
+    starts = np.ones(len(tokens), dtype=bool)
+    starts[1:] = (flat[tokens[1:]] != flat[tokens[:-1]]) | (row[1:] != row[:-1])
+    return tokens, np.flatnonzero(starts)
 
 
 def validate_document_ids(ids: np.ndarray) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ContaminationError, UnsupportedSetupError
-from .masks import _is_integer_2d, validate_document_ids
+from .masks import _is_integer_2d, document_runs, validate_document_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,16 +211,11 @@ class DocumentBatches:
     @classmethod
     def from_ids(cls, ids: np.ndarray, device: torch.device) -> "DocumentBatches":
         validate_document_ids(ids)
-        flat = ids.reshape(-1)
-        tokens = np.flatnonzero(flat)
-        row = tokens // ids.shape[1]
-        starts = np.ones(len(tokens), dtype=bool)
-        starts[1:] = (flat[tokens[1:]] != flat[tokens[:-1]]) | (row[1:] != row[:-1])
-        first = np.flatnonzero(starts)
+        tokens, first = document_runs(ids)
         lengths = np.diff(np.append(first, len(tokens)))
         begins = tokens[first]  # flat index of each document's first token (documents are contiguous runs)
         buckets = np.ceil(np.log2(lengths)).astype(np.int64)
-        pad_index = flat.size
+        pad_index = ids.size
         gather, real, targets = [], [], []
         for bucket in np.unique(buckets)[::-1]:
             chosen = np.flatnonzero(buckets == bucket)

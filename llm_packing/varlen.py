@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import PackingValueError, UnsupportedSetupError
+from .masks import document_runs
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -112,14 +113,9 @@ class PackedAttentionMask:
 
 def _document_spans(attention_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Flat start position and length of every document, row by row."""
-    flat = attention_mask.detach().reshape(-1).cpu().numpy()
-    length = attention_mask.shape[1]
-    positions = np.flatnonzero(flat)
-    new = np.ones(len(positions), dtype=bool)
-    new[1:] = (flat[positions[1:]] != flat[positions[:-1]]) | (positions[1:] // length != positions[:-1] // length)
-    starts = positions[new]
-    lengths = np.diff(np.append(np.flatnonzero(new), len(positions)))
-    return starts.astype(np.int64), lengths.astype(np.int64)
+    positions, first = document_runs(attention_mask.detach().cpu().numpy())
+    lengths = np.diff(np.append(first, len(positions)))
+    return positions[first].astype(np.int64), lengths.astype(np.int64)
 
 
 def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
