@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llm_packing import architectures
+from llm_packing import support_matrix
 from llm_packing.architectures import (
     REFUSED_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
@@ -80,15 +80,15 @@ def test_require_supported_looks_into_text_config():
 def test_flash_cells_are_proven_not_assumed():
     """Every FlashAttention cell is exact (tests/test_flash_path.py runs every supported type), n/a or refused, and
     names the kernel transformers loads in place of the requested one."""
-    assert architectures._cell("llama", "flash_attention_3") == "exact"
-    assert architectures._cell("gpt_oss", "flash_attention_2") == "exact (runs kernels-community/vllm-flash-attn3)"
-    assert architectures._cell("mimo_v2_flash", "flash_attention_3") == "exact (runs flash_attention_4)"
-    assert architectures._cell("mpt", "flash_attention_2") == "n/a"
+    assert support_matrix._cell("llama", "flash_attention_3") == "exact"
+    assert support_matrix._cell("gpt_oss", "flash_attention_2") == "exact (runs kernels-community/vllm-flash-attn3)"
+    assert support_matrix._cell("mimo_v2_flash", "flash_attention_3") == "exact (runs flash_attention_4)"
+    assert support_matrix._cell("mpt", "flash_attention_2") == "n/a"
 
 
 def test_committed_support_matrix_is_what_the_generator_prints():
     with open(DOC, encoding="utf-8") as handle:
         committed = handle.read()
-    assert committed == architectures.support_matrix_markdown(), (
+    assert committed == support_matrix.support_matrix_markdown(), (
         "docs/support_matrix.md is stale: run `python -m llm_packing.architectures --markdown > docs/support_matrix.md`"
     )

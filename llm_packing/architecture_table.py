@@ -1,0 +1,219 @@
+"""The hand-kept architecture table: which model types the parity matrix proved, and which it cannot, with the reason;
+which backends of a supported type are refused, and which types keep the dense mask on sdpa.
+
+Plain data, edited only together with a passing parity matrix (`tests/test_parity.py`, `tests/test_flash_path.py`).
+`llm_packing.architectures` combines it with a scan of the installed transformers' source (a type in
+`VERIFIED_MODEL_TYPES` is supported only while its modeling module still builds masks the hook reaches), and
+`llm_packing.support_matrix` renders the result as docs/support_matrix.md.
+"""
+
+
+# Proven exact by tests/test_parity.py on eager, sdpa and flex_attention (CPU, float32, tolerance 1e-5) and on the
+# FlashAttention code path by tests/test_flash_path.py's reference kernel. Edit only together with a passing matrix.
+VERIFIED_MODEL_TYPES = frozenset(
+    {
+        "afmoe",
+        "apertus",
+        "arcee",
+        "aria_text",
+        "axk1",
+        "axk2",
+        "bamba",
+        "beam",
+        "biogpt",
+        "bitnet",
+        "codegen",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "cohere_compass_text",
+        "ctrl",
+        "cwm",
+        "dbrx",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "diffllama",
+        "dots1",
+        "dots3_note_text",
+        "emu3",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone4",
+        "exaone_moe",
+        "falcon",
+        "falcon_h1",
+        "falcon_mamba",
+        "flex_olmo",
+        "flint",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "gemma3n_text",
+        "gemma4",
+        "gemma4_text",
+        "gemma4_unified",
+        "gemma4_unified_text",
+        "git",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_neo",
+        "gpt_neox",
+        "gpt_neox_japanese",
+        "gpt_oss",
+        "gptj",
+        "granite",
+        "granite_swa",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoehybrid",
+        "granitemoeshared",
+        "helium",
+        "hrm_text",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "hy_v4",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "jamba",
+        "jetmoe",
+        "kimi_linear",
+        "kolibri1",
+        "laguna",
+        "lfm2",
+        "lfm2_moe",
+        "lfm3",
+        "llama",
+        "llama4",
+        "llama4_text",
+        "longcat_flash",
+        "mamba",
+        "mamba2",
+        "mellum",
+        "mimo_v2_flash",
+        "minicpm3",
+        "minimax",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral",
+        "ministral3",
+        "mistral",
+        "mixtral",
+        "mllama",
+        "modernbert-decoder",
+        "moshi",
+        "mpt",
+        "nanochat",
+        "nemotron",
+        "nemotron_h",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "olmo_hybrid",
+        "olmoe",
+        "opt",
+        "persimmon",
+        "phi",
+        "phi3",
+        "phi4_multimodal",
+        "phimoe",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+        "qwen3_moe",
+        "qwen3_next",
+        "seed_oss",
+        "smollm3",
+        "solar_open",
+        "stablelm",
+        "starcoder2",
+        "vaultgemma",
+        "whisper",
+        "xglm",
+        "youtu",
+        "zamba",
+        "zamba2",
+    }
+)
+
+_MUSICGEN = (
+    "AutoModelForCausalLM cannot build it from its own config (the CausalLM class reads decoder fields from the "
+    "composite config); an audio-token decoder, not a text LM"
+)
+_ASSISTANT = (
+    "a speculative-decoding assistant: it attends bidirectionally (create_bidirectional_mask) over the key/value "
+    "states its target model shares with it, so it is not a causal decoder that packing could train on its own"
+)
+# Candidates that the matrix cannot prove, by hand, with the reason. Types outside the candidate set get their reason
+# from the source scan (`llm_packing.architectures.refusal_reason`).
+REFUSED_CANDIDATES: dict[str, str] = {
+    "deepseek_v4": (
+        "compressed attention pools keys over fixed windows of the whole row, across documents: packed logits differ "
+        "from separate documents by 3.8e-01 (eager, compress rates 4 and 2)"
+    ),
+    "doge": "fails the parity matrix on flex_attention: packed logits differ from separate documents by 5.6e-01",
+    "bart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
+    "bert": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
+    "bert-generation": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
+    "big_bird": "fails the parity matrix: packed logits differ from separate documents by 1.1e-02 (eager)",
+    "bigbird_pegasus": "fails the parity matrix: packed logits differ from separate documents by 1.2e-01 (eager)",
+    "blenderbot": "fails the parity matrix: packed logits differ from separate documents by 7.3e-01 (eager, sdpa)",
+    "blenderbot-small": "fails the parity matrix: packed logits differ from separate documents by 1.9e-02 (eager, sdpa)",
+    "bloom": "fails the parity matrix: packed logits differ from separate documents by 1.0e-02 (eager)",
+    "camembert": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "data2vec-text": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
+    "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
+    "gemma4_assistant": _ASSISTANT,
+    "gemma4_unified_assistant": _ASSISTANT,
+    "gemma3n": (
+        "not verified: its vision tower needs timm (not installed for the tests); gemma3n_text, its language model, "
+        "is supported"
+    ),
+    "marian": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
+    "mbart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
+    "megatron-bert": "fails the parity matrix: packed logits differ from separate documents by 3.2e-01 (eager)",
+    "musicgen": _MUSICGEN,
+    "musicgen_melody": _MUSICGEN,
+    "mvp": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager)",
+    "pegasus": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
+    "plbart": "fails the parity matrix: packed logits differ from separate documents by 9.9e-02 (eager, sdpa)",
+    "rembert": "fails the parity matrix: packed logits differ from separate documents by 9.3e-02 (eager)",
+    "roberta": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "roberta-prelayernorm": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
+    "roc_bert": "fails the parity matrix: packed logits differ from separate documents by 6.5e-03 (eager, sdpa)",
+    "roformer": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager)",
+    "trocr": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager)",
+    "xlm-roberta": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
+    "xlm-roberta-xl": "fails the parity matrix: packed logits differ from separate documents by 1.8e-01 (eager, sdpa)",
+    "xmod": "fails the parity matrix: packed logits differ from separate documents by 1.1e-02 (eager, sdpa)",
+}
+
+# Supported types whose backend the matrix cannot prove: the hook refuses that backend, the others stay exact.
+_SINKS_ON_CPU = "flex_attention with attention sinks cannot run on CPU, so the parity matrix cannot prove it"
+REFUSED_BACKENDS: dict[tuple[str, str], str] = {
+    (model_type, "flex_attention"): _SINKS_ON_CPU for model_type in ("flint", "gpt_oss", "granite_swa", "granitemoe_swa")
+}
+
+# Supported types whose sdpa attention the varlen route (llm_packing/varlen.py) cannot express: they keep transformers'
+# dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity matrix's route axis.
+SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
+    "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
+    "gemma4_unified": "its mask builders get `block_sequence_ids` (bidirectional media blocks), which per-document SDPA "
+    "does not express",
+}
