@@ -18,6 +18,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "aria_text",
         "axk1",
         "axk2",
+        "bailing_hybrid",
         "bamba",
         "beam",
         "biogpt",
@@ -82,6 +83,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "hy_v3",
         "hy_v4",
         "hyperclovax",
+        "inkling2_text",
+        "inkling_text",
         "internlm3",
         "iquestcoder",
         "jais2",
@@ -136,6 +139,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "qwen3_5_text",
         "qwen3_moe",
         "qwen3_next",
+        "recurrent_gemma",
         "seed_oss",
         "smollm3",
         "solar_open",
@@ -216,4 +220,6 @@ SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
     "gemma4_unified": "its mask builders get `block_sequence_ids` (bidirectional media blocks), which per-document SDPA "
     "does not express",
+    "inkling_text": "its attention adds a learned relative position bias (`position_bias`), which per-document SDPA "
+    "does not take",
 }

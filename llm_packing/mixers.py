@@ -41,6 +41,12 @@ class MixerCall:
     # Returns `(output, final recurrent state)`; without a cache the caller drops the state, which per document
     # group has no packed layout to go back to, so the wrapper returns `(output, None)`.
     returns_state: bool = False
+    # Other `(batch_size, length, ...)` arguments, re-batched per document like the hidden states.
+    per_token: tuple[str, ...] = ()
+    # Where the documents are read: "mask" (the indexed 2-D mask in `mask`), or "position_ids" for a mixer handed
+    # only the prepared 4-D mask; those positions restart at 0 per document, which the mask builder checked against
+    # the indexed mask earlier in the same forward.
+    documents: str = "mask"
 
 
 _CACHE_PARAMS = MixerCall()
@@ -66,6 +72,20 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
     "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
     "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
+    "bailing_hybrid": ("bailing_hybrid", {"BailingHybridDeltaAttention": _CACHE_PARAMS}),
+    # Short convolutions on the keys, values and residual streams of every layer.
+    "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
+    "inkling2_text": ("inkling2", {"Inkling2ShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
+    # Griffin's recurrent block: a causal conv, then the RG-LRU, which resets its state where `position_ids` is 0.
+    "recurrent_gemma": (
+        "recurrent_gemma",
+        {
+            "RecurrentGemmaRecurrentBlock": MixerCall(
+                "input_states", cache="use_cache", returns_state=True, per_token=("position_ids",),
+                documents="position_ids",
+            )
+        },
+    ),
     # Pure SSMs: the model hands its 2-D mask straight to every mixer.
     "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
     "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
@@ -144,14 +164,15 @@ def _wrap_forward(forward, call: MixerCall):
     def forward_per_document(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
-        mask = arguments.get(call.mask)
-        if not _is_integer_2d(mask):
+        documents = arguments.get(call.mask if call.documents == "mask" else call.documents)
+        if not _is_integer_2d(documents):
             return forward(*args, **kwargs)
-        layout = _layout(mask)
+        layout = _layout(documents, from_positions=call.documents == "position_ids")
         if layout is None:
             return forward(*args, **kwargs)
         module = arguments["self"]
-        if arguments.get(call.cache) is not None:
+        # A cache object, or `use_cache=True` for a mixer that keeps its state on itself.
+        if arguments.get(call.cache) not in (None, False):
             raise ContaminationError(
                 f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
                 f"(`{call.cache}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
@@ -159,16 +180,18 @@ def _wrap_forward(forward, call: MixerCall):
                 "False`."
             )
         hidden_states = arguments.pop(call.hidden)
+        per_token = {name: arguments.pop(name) for name in call.per_token}
         arguments[call.mask] = None
         arguments[call.cache] = None
         extra = arguments.pop(_var_keyword(signature), {})
         extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
         arguments.pop("self")
-        def mix(states):
-            output = forward(module, **{call.hidden: states}, **arguments, **extra)
+
+        def mix(states, **document_tokens):
+            output = forward(module, **{call.hidden: states}, **document_tokens, **arguments, **extra)
             return output[0] if call.returns_state else output
 
-        packed = layout.run(mix, hidden_states)
+        packed = layout.run(mix, hidden_states, **per_token)
         return (packed, None) if call.returns_state else packed
 
     return forward_per_document
@@ -233,20 +256,26 @@ class DocumentBatches:
             tuple(ids.shape),
         )
 
-    def run(self, mixer, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`mixer` applied to every document alone; padding positions of the packed layout get zeros."""
-        batch_size, length = self.shape
-        flat = hidden_states.reshape(batch_size * length, *hidden_states.shape[2:])
-        # One zero row past the end: what right padding inside a group reads.
-        source = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+    def run(self, mixer, hidden_states: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
+        """`mixer` applied to every document alone; padding positions of the packed layout get zeros. `per_token`
+        tensors (`(batch_size, length, ...)`, e.g. `position_ids`) are re-batched alike and passed to `mixer` by name.
+        """
+        sources = [self._source(tensor) for tensor in (hidden_states, *per_token.values())]
         outputs = []
         for index, real in zip(self.gather, self.real, strict=True):
-            states = source[index]
-            output = mixer(states)
+            states, *others = (source[index] for source in sources)
+            output = mixer(states, **dict(zip(per_token, others, strict=True)))
             outputs.append(output.reshape(-1, *output.shape[2:]).index_select(0, real))
         values = torch.cat(outputs)
+        batch_size, length = self.shape
         packed = values.new_zeros(batch_size * length, *values.shape[1:]).index_copy(0, self.targets, values)
         return packed.view(batch_size, length, *values.shape[1:])
+
+    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` flattened to `(batch_size * length, ...)`, plus one zero row: what right padding in a group reads."""
+        batch_size, length = self.shape
+        flat = tensor.expand(batch_size, length, *tensor.shape[2:]).reshape(batch_size * length, *tensor.shape[2:])
+        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
 
 
 class _LayoutPerThread(threading.local):
@@ -258,11 +287,15 @@ class _LayoutPerThread(threading.local):
 _last = _LayoutPerThread()
 
 
-def _layout(mask: torch.Tensor) -> DocumentBatches | None:
-    """The layout of an indexed mask, or None for a plain 0/1 mask; one host sync per mask object and version."""
+def _layout(mask: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:
+    """The layout of an indexed mask, or None for a plain 0/1 mask; one host sync per mask object and version.
+    `from_positions`: `mask` holds `position_ids`, and a document starts at every 0 (padding too becomes documents,
+    whose outputs nothing reads)."""
     if _last.mask is not None and _last.mask() is mask and _last.version == mask._version:
         return _last.layout
     ids = mask.detach().cpu().long().numpy()
+    if from_positions:
+        ids = np.cumsum(ids == 0, axis=1)
     layout = DocumentBatches.from_ids(ids, mask.device) if ids.max(initial=0) > 1 else None
     _last.mask, _last.version, _last.layout = weakref.ref(mask), mask._version, layout
     return layout

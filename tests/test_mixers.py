@@ -27,6 +27,9 @@ MIXER_KINDS = {
     "mamba ssm": ("jamba", "sdpa"),
     "short conv": ("lfm2", "sdpa"),
     "lightning attention": ("minimax", "sdpa"),
+    "kimi delta attention": ("bailing_hybrid", "sdpa"),
+    "short conv on keys and values": ("inkling_text", "eager"),
+    "rg-lru, reset by position_ids": ("recurrent_gemma", "sdpa"),
 }
 
 
@@ -44,7 +47,8 @@ def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend
     """Negative control: transformers' own packed path (per-document `position_ids`, no mask) isolates attention but
     not the mixers' conv and recurrent state. Measured max logit differences: qwen3_5_text 4.1e-2, nemotron_h 4.4e-1,
     mamba2 2.8, jamba 4.4e-3, minimax 5.0e-2, lfm2 6.1e-4 (its 3-token conv reaches two tokens into the next
-    document)."""
+    document), bailing_hybrid 6.6e-1, inkling_text 3.5e-4, recurrent_gemma 1.3e-1 (its RG-LRU resets where
+    `position_ids` is 0, its conv does not)."""
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE

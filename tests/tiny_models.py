@@ -138,6 +138,8 @@ ARCH_OVERRIDES: dict[str, dict] = {
         "attention_head_dim": 32,
     },
     "minimax": {"block_size": 4},
+    # Griffin: a recurrent block, then local attention over WINDOW tokens (both default to 2048-token scales).
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW},
     # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
     # one-block vision tower that the batches never reach.
     "qwen3_5": {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION},
