@@ -6,9 +6,9 @@ import os
 import datasets
 from transformers import AutoTokenizer
 
-from .dataset import IGNORE_INDEX
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
 from .errors import PackingValueError
+from .layout import IGNORE_INDEX
 from .pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 
 

@@ -262,11 +262,12 @@ class TestCollator:
         [
             ({"input_ids": [[1, 2]]}, PackingTypeError, r"`features` must be a list of dicts .* got dict"),
             ([[1, 2, 3]], PackingTypeError, r"`features` must be a list of dicts .* got a list of \['list'\]"),
-            ([{"input_ids": [1, -2]}], PackingValueError, r"'input_ids' of feature 0 holds -2.*must be >= 0"),
+            ([{"input_ids": [1, -2]}], PackingValueError,
+             r"'input_ids' of feature 0 holds -2: token ids .* must be in \[0, 2147483647\]"),
             ([{"input_ids": [3]}, {"input_ids": [1, 2], "labels": [1, -5]}], PackingValueError,
              r"'labels' of feature 1 holds -5.*-100"),
             ([{"input_ids": np.array([2**63 + 5], np.uint64)}], PackingValueError,
-             r"'input_ids' of feature 0 holds 9223372036854775813, beyond int64"),
+             r"'input_ids' of feature 0 holds 9223372036854775813: token ids .* \[0, 2147483647\]"),
             ([{"input_ids": [1, 2], "seq_lengths": [1.0, 1.0]}], PackingTypeError,
              r"'seq_lengths' of feature 0 must be a flat list of integers, got dtype float64"),
             ([{"input_ids": [1, 2], "seq_lengths": [float("nan")]}], PackingTypeError,
@@ -530,13 +531,13 @@ class TestDeprecationsFailTheRun:
 
     def test_a_deprecation_raised_inside_a_dependency_is_not_ours(self, monkeypatch):
         # Attributed to the dependency itself (stacklevel=1), it stays a warning: the filter only fails our call sites.
-        real = collator_module.segment_aranges
+        real = collator_module.position_ids
 
         def deprecated(*args, **kwargs):
             warnings.warn("internal deprecation", DeprecationWarning, stacklevel=1)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(collator_module, "segment_aranges", deprecated)
+        monkeypatch.setattr(collator_module, "position_ids", deprecated)
         with warnings.catch_warnings(record=True) as caught:
             DataCollatorWithPacking(check_model_configured=False)(ROWS)
         assert [str(w.message) for w in caught if w.category is DeprecationWarning] == ["internal deprecation"]
