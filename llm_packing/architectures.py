@@ -17,9 +17,9 @@ import os
 import re
 
 from .errors import UnsupportedSetupError
+from .layout import MASK_BUILDER_NAMES
 
 
-MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 # Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
 # conv, recurrent, ...) keeps a state across the whole row and would leak one document into the next.
 ATTENTION_LAYER_TYPES = frozenset(
@@ -300,7 +300,7 @@ def _scan_reason(model_type: str) -> str | None:
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
     # Mixers take the 2-D mask as the model hands it to them (llm_packing.mixers re-batches); pure SSMs build no other.
-    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
+    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
 

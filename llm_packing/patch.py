@@ -25,6 +25,7 @@ import torch
 
 from . import _compat, mixers, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
+from .layout import MASK_BUILDER_NAMES
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
 
 
@@ -32,12 +33,7 @@ from .masks import _is_integer_2d, document_position_ids, get_unpad_data, valida
 # and FlashAttention's unpad helper. `LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING` values are replaced too.
 _MASKING_MODULE = "transformers.masking_utils"
 _FLASH_MODULE = "transformers.modeling_flash_attention_utils"
-_PATCH_TARGETS = {
-    "create_causal_mask": _MASKING_MODULE,
-    "create_sliding_window_causal_mask": _MASKING_MODULE,
-    "create_chunked_causal_mask": _MASKING_MODULE,
-    "_get_unpad_data": _FLASH_MODULE,
-}
+_PATCH_TARGETS = {**dict.fromkeys(MASK_BUILDER_NAMES, _MASKING_MODULE), "_get_unpad_data": _FLASH_MODULE}
 
 _originals: dict[str, Any] = {}  # target name -> original object
 _wrappers: dict[str, Any] = {}  # target name -> our replacement

@@ -46,6 +46,7 @@ from llm_packing import (
 )
 from llm_packing import collator as collator_module
 from llm_packing import dataset as dataset_module
+from llm_packing.layout import MASK_BUILDER_NAMES
 
 
 SMALL = {"input_ids": [[1, 2, 3], [4, 5], [6]]}
@@ -59,7 +60,6 @@ PACKED = dict(
     attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
     position_ids=torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
 )
-BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 
 def shown(value) -> str:
@@ -72,7 +72,7 @@ def hook_state():
     mapping = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
     return (
         is_packing_configured(),
-        *(getattr(masking_utils, name) for name in BUILDERS),
+        *(getattr(masking_utils, name) for name in MASK_BUILDER_NAMES),
         modeling_llama.create_causal_mask,
         flash_utils._get_unpad_data,
         *(mapping[key] for key in sorted(mapping)),
