@@ -17,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 
+from .checks import check_integer
 from .errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .stats import PackingStats
 
@@ -232,21 +233,11 @@ def _check_lengths(lengths) -> np.ndarray:
 
 
 def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-        raise PackingValueError(f"`capacity` must be a positive int (tokens per bin), got {capacity!r}.")
+    check_integer("capacity", capacity, meaning="tokens per bin")
     if strategy not in STRATEGIES:
         raise PackingValueError(f"Invalid `strategy` {strategy!r}; must be one of {STRATEGIES}.")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise PackingValueError(
-            f"`seed` must be a non-negative int or None, got {seed!r}. Use `seed_from_components(...)` to build one."
-        )
-    if max_docs_per_bin is not None and (
-        isinstance(max_docs_per_bin, bool) or not isinstance(max_docs_per_bin, (int, np.integer))
-        or max_docs_per_bin < 1
-    ):
-        raise PackingValueError(
-            f"`max_docs_per_bin` must be a positive int or None (no cap), got {max_docs_per_bin!r}."
-        )
+    check_integer("seed", seed, minimum=0, optional=True, fix="Use `seed_from_components(...)` to build one.")
+    check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="no cap")
 
 
 def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

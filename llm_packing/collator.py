@@ -17,6 +17,7 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from .binpack import pack_sequences
+from .checks import check_integer
 from .errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
 from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, position_ids
 
@@ -83,17 +84,11 @@ class DataCollatorWithPacking(DataCollatorMixin):
     return_tensors: str = "pt"
 
     def __post_init__(self):
-        pad = self.pad_token_id
-        if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < 0:
-            raise PackingValueError(
-                f"`pad_token_id` must be a non-negative integer (padding is embedded like any token), got {pad!r}. "
-                "Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
-                "`pad_token_id=tokenizer.pad_token_id`."
-            )
+        check_integer("pad_token_id", self.pad_token_id, minimum=0, meaning="padding is embedded like any token",
+                      fix="Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
+                      "`pad_token_id=tokenizer.pad_token_id`.")
         for name in ("max_length", "pad_to_multiple_of"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise PackingValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+            check_integer(name, getattr(self, name), optional=True)
         if self.return_tensors != "pt":
             raise PackingValueError(
                 f"`return_tensors` must be 'pt', got {self.return_tensors!r}: packed batches are built as torch "

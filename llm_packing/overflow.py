@@ -9,6 +9,7 @@ from typing import Literal
 
 import numpy as np
 
+from .checks import check_integer
 from .errors import PackingValueError, SequenceTooLongError
 
 
@@ -50,8 +51,7 @@ def check_overflow_policy(overflow: str) -> None:
 
 
 def check_max_length(max_length: int) -> None:
-    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length <= 0:
-        raise PackingValueError(f"`max_length` must be a positive integer (tokens per packed row), got {max_length!r}.")
+    check_integer("max_length", max_length, meaning="tokens per packed row")
 
 
 def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *, first_row: int = 0) -> Pieces:

@@ -15,6 +15,7 @@ import datasets
 import numpy as np
 
 from .binpack import pack_sequences, seed_from_components
+from .checks import check_integer
 from .errors import PackingValueError
 from .layout import MASK_COLUMNS, check_tokens, flat_integers, ignore_document_starts, ignore_masked, position_ids
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
@@ -70,8 +71,7 @@ def pack_iterable_dataset(
     """
     check_max_length(max_length)
     check_overflow_policy(overflow)
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
-        raise PackingValueError(f"`buffer_size` must be an integer >= 2 (sequences per buffer), got {buffer_size!r}.")
+    check_integer("buffer_size", buffer_size, minimum=2, meaning="sequences per buffer")
     # Packing nothing checks `strategy` and `max_docs_per_bin` now rather than once the stream is iterated.
     pack_sequences(np.zeros(0, np.int64), max_length, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     options = dict(max_length=max_length, buffer_size=buffer_size, strategy=strategy, seed=seed, overflow=overflow,

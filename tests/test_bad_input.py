@@ -110,7 +110,8 @@ class TestPackSequences:
 
     @pytest.mark.parametrize("capacity", [float("nan"), float("inf"), np.float64(8)])
     def test_float_capacity(self, capacity):
-        with pytest.raises(PackingValueError, match=rf"`capacity` must be a positive int .* got {shown(capacity)}"):
+        with pytest.raises(PackingValueError, match=rf"`capacity` must be a positive integer .* got "
+                                                    rf"{shown(capacity)}"):
             pack_sequences([3], capacity)
 
 
