@@ -83,6 +83,7 @@ def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *
 
     ```
     """
+    check_overflow_policy(overflow)  # any other value would cut like "truncate" without counting it
     lengths = np.asarray(lengths, dtype=np.int64)
     too_long = lengths > max_length
     num_too_long = int(too_long.sum())
