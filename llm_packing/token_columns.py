@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import PackingTypeError, PackingValueError
-from .layout import INT32_MAX, MASK_COLUMNS, invalid_tokens, token_error
+from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, token_error
 
 
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
@@ -117,18 +117,21 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
         )
     if name in MASK_COLUMNS:
         return
+    low = 0 if name == "input_ids" else IGNORE_INDEX
     extremes = pc.min_max(pc.list_flatten(column)).as_py()  # streams over the chunks: nothing combined
-    if extremes["min"] is None or (extremes["min"] >= 0 and extremes["max"] <= INT32_MAX):
+    if extremes["min"] is not None and (extremes["min"] < low or extremes["max"] > INT32_MAX):
+        bad = extremes["min"] if extremes["min"] < low else extremes["max"]
+        raise token_error(name, f"Column {name!r}", bad)
+    if low == 0 or extremes["min"] is None or extremes["min"] >= 0:
         return
-    # Labels with -100 get here too: the windows tell those from a wrong value, and name the row of the first.
     row_ends = np.cumsum(lengths)
     for first, last in row_windows(lengths):
         values = flat_values(column, first, last)
-        wrong = invalid_tokens(values, name)
+        wrong = (values < 0) & (values != IGNORE_INDEX)
         if wrong.any():
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))
-            raise token_error(name, f"Column {name!r} in row {row}", values[np.argmax(wrong)].item())
+            raise token_error(name, f"Column {name!r} in row {row}", int(values[np.argmax(wrong)]))
 
 
 def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -166,7 +166,7 @@ class TestValidation:
              r"'labels' has 1 values in row 1, but 'input_ids' has 2"),
             ({"input_ids": [[1.5]]}, {}, PackingTypeError, r"'input_ids' must hold lists of integers"),
             ({"input_ids": [[-100, 1]]}, {}, PackingValueError,
-             r"'input_ids' in row 0 holds -100: token ids .* \[0, 2147483647\]"),
+             r"Column 'input_ids' holds -100: token ids .* \[0, 2147483647\]"),
             ({"input_ids": [[1], None]}, {}, PackingValueError, r"'input_ids' is null in row 1"),
             ({"input_ids": [[1, None]]}, {}, PackingValueError, r"'input_ids' holds 1 null values"),
             (SMALL, {"max_length": 0}, PackingValueError, r"`max_length` must be a positive integer.*0"),
