@@ -18,6 +18,8 @@ import re
 
 from .errors import UnsupportedSetupError
 from .layout import MASK_BUILDER_NAMES
+from .model_types import causal_lm_classes as _causal_lm_classes
+from .model_types import causal_lm_model_type
 
 
 # Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
@@ -259,13 +261,6 @@ def _transformers_models_dir() -> str:
 
 
 @functools.cache
-def _causal_lm_classes() -> dict[str, str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return {model_type: name for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(name, str)}
-
-
-@functools.cache
 def _modeling_source(model_type: str) -> str | None:
     """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
@@ -391,8 +386,6 @@ def require_supported(config) -> None:
         `UnsupportedSetupError`: the model type is not in [`supported_model_types`], or its `layer_types` holds
             non-attention layers (linear attention, mamba, conv, ...). The message names the type and the reason.
     """
-    from .multimodal import causal_lm_model_type
-
     model_type = causal_lm_model_type(config)
     reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
     backend = getattr(config, "_attn_implementation", None)
