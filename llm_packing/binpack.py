@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from .checks import check_integer
+from .checks import check_choice, check_integer
 from .errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .stats import PackingStats
 
@@ -234,8 +234,7 @@ def _check_lengths(lengths) -> np.ndarray:
 
 def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
     check_integer("capacity", capacity, meaning="tokens per bin")
-    if strategy not in STRATEGIES:
-        raise PackingValueError(f"Invalid `strategy` {strategy!r}; must be one of {STRATEGIES}.")
+    check_choice("strategy", strategy, STRATEGIES, fix="'bfd' packs tightest.")
     check_integer("seed", seed, minimum=0, optional=True, fix="Use `seed_from_components(...)` to build one.")
     check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="no cap")
 

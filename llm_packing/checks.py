@@ -35,3 +35,21 @@ def check_integer(name: str, value, *, minimum: int = 1, optional: bool = False,
         f"`{name}` must be {allowed}{' or None' if optional else ''}{f' ({meaning})' if meaning else ''}, got "
         f"{value!r}.{f' {fix}' if fix else ''}"
     )
+
+
+def check_choice(name: str, value, allowed: tuple, *, fix: str | None = None) -> None:
+    """
+    Raise [`~llm_packing.errors.PackingValueError`] unless `value` is one of `allowed`; the message names `name`,
+    lists `allowed`, shows `value`, then gives `fix`.
+
+    Example:
+    ```python
+    >>> check_choice("overflow", "wrap", ("error", "split"), fix="Use 'split'.")
+    Traceback (most recent call last):
+    ...
+    llm_packing.errors.PackingValueError: `overflow` must be one of ('error', 'split'), got 'wrap'. Use 'split'.
+
+    ```
+    """
+    if value not in allowed:
+        raise PackingValueError(f"`{name}` must be one of {tuple(allowed)}, got {value!r}.{f' {fix}' if fix else ''}")

@@ -7,7 +7,7 @@ hands each key to the dataclass that has a field of that name. `max_length` (row
 
 from dataclasses import dataclass, field
 
-from .checks import check_integer
+from .checks import check_choice, check_integer
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OVERFLOW_POLICIES
 from .varlen import ROUTES
@@ -123,8 +123,4 @@ class PackingArguments:
 
 
 def _check_choice(name: str, value, allowed: tuple[str, ...], hint: str) -> None:
-    if value not in allowed:
-        raise PackingValueError(
-            f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r} ({hint}). Set `{name}:` to one "
-            "of those in the recipe."
-        )
+    check_choice(name, value, allowed, fix=f"Set `{name}:` to one of those in the recipe ({hint}).")

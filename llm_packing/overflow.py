@@ -9,8 +9,8 @@ from typing import Literal
 
 import numpy as np
 
-from .checks import check_integer
-from .errors import PackingValueError, SequenceTooLongError
+from .checks import check_choice, check_integer
+from .errors import SequenceTooLongError
 
 
 OverflowPolicy = Literal["error", "truncate", "split", "drop"]
@@ -42,12 +42,10 @@ class Pieces:
 
 
 def check_overflow_policy(overflow: str) -> None:
-    if overflow not in OVERFLOW_POLICIES:
-        raise PackingValueError(
-            f"`overflow` must be one of {OVERFLOW_POLICIES}, got {overflow!r}. Use 'error' to be told about over-long "
-            "sequences, 'truncate' to keep their first `max_length` tokens, 'split' to cut them into `max_length` "
-            "chunks packed as separate documents, or 'drop' to leave them out."
-        )
+    check_choice("overflow", overflow, OVERFLOW_POLICIES, fix=(
+        "Use 'error' to be told about over-long sequences, 'truncate' to keep their first `max_length` tokens, "
+        "'split' to cut them into `max_length` chunks packed as separate documents, or 'drop' to leave them out."
+    ))
 
 
 def check_max_length(max_length: int) -> None:
