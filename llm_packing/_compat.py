@@ -11,6 +11,7 @@ import transformers
 from packaging.version import Version
 
 from .errors import IncompatibleTransformersError
+from .layout import MASK_BUILDER_NAMES
 
 
 # The versions the parity matrix has run against. Below the minimum the builders had other signatures
@@ -24,7 +25,6 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 # Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites. `cache_position` was removed in
 # 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
 MASK_BUILDER_PARAMETERS = ("config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids")
-MASK_BUILDER_NAMES = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 _warned_untested = False
 

@@ -18,9 +18,11 @@ import re
 
 from .architecture_table import REFUSED_BACKENDS, REFUSED_CANDIDATES, SDPA_DENSE_MODEL_TYPES, VERIFIED_MODEL_TYPES
 from .errors import UnsupportedSetupError
+from .layout import MASK_BUILDER_NAMES
+from .model_types import causal_lm_classes as _causal_lm_classes
+from .model_types import causal_lm_model_type
 
 
-MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 # Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
 # conv, recurrent, ...) keeps a state across the whole row and would leak one document into the next.
 ATTENTION_LAYER_TYPES = frozenset(
@@ -47,13 +49,6 @@ _HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"ma
 def _transformers_models_dir() -> str:
     spec = importlib.util.find_spec("transformers.models")
     return os.path.dirname(spec.origin)
-
-
-@functools.cache
-def _causal_lm_classes() -> dict[str, str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return {model_type: name for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(name, str)}
 
 
 @functools.cache
@@ -91,7 +86,7 @@ def _scan_reason(model_type: str) -> str | None:
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
     # Mixers take the 2-D mask as the model hands it to them (llm_packing.mixers re-batches); pure SSMs build no other.
-    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDERS):
+    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
 
@@ -182,8 +177,6 @@ def require_supported(config) -> None:
         `UnsupportedSetupError`: the model type is not in [`supported_model_types`], or its `layer_types` holds
             non-attention layers (linear attention, mamba, conv, ...). The message names the type and the reason.
     """
-    from .multimodal import causal_lm_model_type
-
     model_type = causal_lm_model_type(config)
     reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
     backend = getattr(config, "_attn_implementation", None)

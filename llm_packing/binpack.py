@@ -17,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 
+from .checks import check_choice, check_integer
 from .errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .stats import PackingStats
 
@@ -232,21 +233,10 @@ def _check_lengths(lengths) -> np.ndarray:
 
 
 def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
-        raise PackingValueError(f"`capacity` must be a positive int (tokens per bin), got {capacity!r}.")
-    if strategy not in STRATEGIES:
-        raise PackingValueError(f"Invalid `strategy` {strategy!r}; must be one of {STRATEGIES}.")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise PackingValueError(
-            f"`seed` must be a non-negative int or None, got {seed!r}. Use `seed_from_components(...)` to build one."
-        )
-    if max_docs_per_bin is not None and (
-        isinstance(max_docs_per_bin, bool) or not isinstance(max_docs_per_bin, (int, np.integer))
-        or max_docs_per_bin < 1
-    ):
-        raise PackingValueError(
-            f"`max_docs_per_bin` must be a positive int or None (no cap), got {max_docs_per_bin!r}."
-        )
+    check_integer("capacity", capacity, meaning="tokens per bin")
+    check_choice("strategy", strategy, STRATEGIES, fix="'bfd' packs tightest.")
+    check_integer("seed", seed, minimum=0, optional=True, fix="Use `seed_from_components(...)` to build one.")
+    check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="no cap")
 
 
 def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -321,7 +311,26 @@ class _Plan:
     Bins grouped by contents while packing. A group `(first_bin, num_bins, node, free, docs)` is a run of
     consecutive bin ids with identical contents: `docs` items, `free` tokens left. A node `(parent, per_bin, base)`
     is the parent's contents plus `per_bin` items of one length, bin `b` taking the length-sorted ids from
-    `base + b * per_bin` on, so groups that split later still find their items.
+    `base + b * per_bin` on, so groups that split later still find their items. Groups are plain tuples, read by
+    unpacking into those names, and heaps order them by `first_bin`: a NamedTuple made `pack_sequences` 10-30% slower
+    (its construction and unpacking run once per group and step).
+
+    Example (lengths `[3, 3, 3, 2, 2]`, capacity 5; ids sorted by length: `[3, 4, 0, 1, 2]`, the 3s from index 2 on):
+    ```python
+    >>> import numpy as np
+    >>> plan = _Plan(capacity=5, max_docs=8, smallest=2)
+    >>> plan.best_fit([(3, 3, 2), (2, 2, 0)])  # (length, items, first index in the sorted ids), longest first
+    >>> sorted(plan.closed)  # (first_bin, num_bins, node, free, docs)
+    [(0, 2, 2, 0, 2), (2, 1, 1, 2, 1)]
+    >>> plan.nodes  # (parent, per_bin, base): node 1 is one 3 per bin, node 2 is node 1 plus one 2
+    [(0, 0, 0), (0, 1, 2), (1, 1, 0)]
+    >>> order, bin_offsets = plan.bind(np.array([3, 4, 0, 1, 2]))
+    >>> order.tolist(), bin_offsets.tolist()  # bins [0, 3], [1, 4], [2]
+    ([0, 3, 1, 4, 2], [0, 2, 4, 5])
+
+    ```
+    The three 3s open one group of 3 bins with 2 tokens free (node 1: bin `b` takes sorted id `2 + b`); the two 2s
+    then fill the first 2 of them (node 2: bin `b` takes sorted id `0 + b`), which splits the group in two.
     """
 
     def __init__(self, capacity: int, max_docs: int, smallest: int):
@@ -385,8 +394,8 @@ class _Plan:
             if todo:
                 open_bins(size, todo, pool, moved)
             for group in moved:
-                free = group[3]
-                if free < smallest or group[4] >= max_docs:
+                _, _, _, free, docs = group
+                if free < smallest or docs >= max_docs:
                     closed.append(group)
                 elif free in classes:
                     heapq.heappush(classes[free], group)
@@ -408,8 +417,8 @@ class _Plan:
             if todo:
                 self.open_bins(size, todo, pool, moved)
             for group in moved:
-                free = group[3]
-                if free < self.smallest or group[4] >= self.max_docs:
+                _, _, _, free, docs = group
+                if free < self.smallest or docs >= self.max_docs:
                     self.closed.append(group)
                 elif free in waiting:
                     waiting[free].append(group)
@@ -455,8 +464,9 @@ class _Plan:
 
     def _push_worst(self, heap: list, groups: list) -> None:
         for group in groups:
-            if group[3] >= self.smallest and group[4] < self.max_docs:
-                heapq.heappush(heap, ((-group[3], group[0]), group))
+            first, _, _, free, docs = group
+            if free >= self.smallest and docs < self.max_docs:
+                heapq.heappush(heap, ((-free, first), group))
             else:
                 self.closed.append(group)
 

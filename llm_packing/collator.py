@@ -17,8 +17,9 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from .binpack import pack_sequences
-from .dataset import IGNORE_INDEX, invalid_label_error, segment_aranges
+from .checks import check_integer
 from .errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
+from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, position_ids
 
 
 @dataclass
@@ -83,17 +84,11 @@ class DataCollatorWithPacking(DataCollatorMixin):
     return_tensors: str = "pt"
 
     def __post_init__(self):
-        pad = self.pad_token_id
-        if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < 0:
-            raise PackingValueError(
-                f"`pad_token_id` must be a non-negative integer (padding is embedded like any token), got {pad!r}. "
-                "Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
-                "`pad_token_id=tokenizer.pad_token_id`."
-            )
+        check_integer("pad_token_id", self.pad_token_id, minimum=0, meaning="padding is embedded like any token",
+                      fix="Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
+                      "`pad_token_id=tokenizer.pad_token_id`.")
         for name in ("max_length", "pad_to_multiple_of"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise PackingValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+            check_integer(name, getattr(self, name), optional=True)
         if self.return_tensors != "pt":
             raise PackingValueError(
                 f"`return_tensors` must be 'pt', got {self.return_tensors!r}: packed batches are built as torch "
@@ -106,9 +101,8 @@ class DataCollatorWithPacking(DataCollatorMixin):
         docs_per_row = np.array([len(lengths) for _, _, lengths in rows])
         row_lengths = np.array([len(ids) for ids, _, _ in rows])
         input_ids = np.concatenate([ids for ids, _, _ in rows])
-        labels = np.concatenate([labels for _, labels, _ in rows])
-        labels[np.cumsum(doc_lengths) - doc_lengths] = IGNORE_INDEX
-        position_ids = segment_aranges(np.zeros_like(doc_lengths), doc_lengths)
+        labels = ignore_document_starts(np.concatenate([labels for _, labels, _ in rows]), doc_lengths)
+        positions = position_ids(doc_lengths)
         uses_mask = not (self.padding_free or self.return_flash_attn_kwargs)
         if uses_mask and self.check_model_configured and docs_per_row.max() > 1:
             self._check_model_configured()
@@ -121,7 +115,7 @@ class DataCollatorWithPacking(DataCollatorMixin):
         batch = {
             "input_ids": _padded(tokens, input_ids, self.pad_token_id),
             "labels": _padded(tokens, labels, IGNORE_INDEX),
-            "position_ids": _padded(tokens, position_ids, 0),
+            "position_ids": _padded(tokens, positions, 0),
         }
         if uses_mask:
             first_doc = np.cumsum(docs_per_row) - docs_per_row
@@ -201,17 +195,9 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
     if "input_ids" not in feature:
         raise PackingValueError(f"Feature {index} has no 'input_ids' (keys: {sorted(feature)}).")
     input_ids = _integers(feature["input_ids"], "input_ids", index)
-    if len(input_ids) and input_ids.min() < 0:
-        raise PackingValueError(
-            f"'input_ids' of feature {index} holds {int(input_ids.min())}: token ids index the embedding matrix and "
-            "must be >= 0. Keep -100 for 'labels'; pad with `pad_token_id`, which the collator adds itself."
-        )
     if feature.get("labels") is None:
         return input_ids, input_ids.copy()
     labels = _integers(feature["labels"], "labels", index)
-    wrong = (labels < 0) & (labels != IGNORE_INDEX)
-    if wrong.any():
-        raise invalid_label_error(f"'labels' of feature {index}", int(labels[wrong][0]))
     if len(labels) != len(input_ids):
         raise PackingValueError(
             f"Feature {index} has {len(labels)} 'labels' but {len(input_ids)} 'input_ids'. Every token needs one "
@@ -238,17 +224,10 @@ def _seq_lengths(feature: dict[str, Any], num_tokens: int, index: int) -> np.nda
 
 
 def _integers(values, name: str, index: int) -> np.ndarray:
-    array = values.numpy(force=True) if isinstance(values, torch.Tensor) else np.asarray(values)
-    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-        raise PackingTypeError(
-            f"{name!r} of feature {index} must be a flat list of integers, got dtype {array.dtype} and shape "
-            f"{array.shape}."
-        )
-    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-        raise PackingValueError(
-            f"{name!r} of feature {index} holds {int(array.max())}, beyond int64: not a token id. Check the "
-            "tokenization."
-        )
+    where = f"{name!r} of feature {index}"
+    array = flat_integers(values.numpy(force=True) if isinstance(values, torch.Tensor) else values, where)
+    if name != "seq_lengths":  # lengths are checked against the row by `_seq_lengths`
+        check_tokens(array, name, where)
     return array.astype(np.int64)
 
 

@@ -7,6 +7,7 @@ hands each key to the dataclass that has a field of that name. `max_length` (row
 
 from dataclasses import dataclass, field
 
+from .checks import check_choice, check_integer
 from .errors import PackingTypeError, PackingValueError
 from .overflow import OVERFLOW_POLICIES
 from .varlen import ROUTES
@@ -110,12 +111,10 @@ class PackingArguments:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PackingTypeError(f"`{name}` must be an integer or null, got {value!r}.")
-        if self.max_docs_per_bin is not None and self.max_docs_per_bin < 1:
-            raise PackingValueError(
-                f"`max_docs_per_bin` must be at least 1, got {self.max_docs_per_bin!r}. Use null for no cap."
-            )
-        if self.packing_seed is not None and self.packing_seed < 0:
-            raise PackingValueError(f"`packing_seed` must be a non-negative integer or null, got {self.packing_seed!r}.")
+        check_integer("max_docs_per_bin", self.max_docs_per_bin, optional=True, meaning="no cap",
+                      fix="Write `max_docs_per_bin: null` in the recipe for no cap.")
+        check_integer("packing_seed", self.packing_seed, minimum=0, optional=True,
+                      fix="Write `packing_seed: null` in the recipe to pack deterministically.")
         if self.padding_free and not self.block_diag_attn:
             raise PackingValueError(
                 "`padding_free: true` flattens packed documents into one row, but `block_diag_attn: false` asks for "
@@ -124,8 +123,4 @@ class PackingArguments:
 
 
 def _check_choice(name: str, value, allowed: tuple[str, ...], hint: str) -> None:
-    if value not in allowed:
-        raise PackingValueError(
-            f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r} ({hint}). Set `{name}:` to one "
-            "of those in the recipe."
-        )
+    check_choice(name, value, allowed, fix=f"Set `{name}:` to one of those in the recipe ({hint}).")

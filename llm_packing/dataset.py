@@ -17,14 +17,14 @@ from datasets.utils.tqdm import tqdm
 
 from .binpack import pack_sequences, seed_from_components
 from .errors import PackingError, PackingTypeError, PackingValueError
+from .layout import MASK_COLUMNS, ignore_document_starts, ignore_masked, position_ids, segment_aranges
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .packed_cache import PackedWriter, destination, load_cached
 from .packed_metadata import record_packing
-from .token_columns import IGNORE_INDEX, MASK_COLUMNS, TokenColumn, flat_values, invalid_label_error, row_windows
+from .token_columns import TokenColumn, flat_values, row_windows
 
 
-__all__ = ["IGNORE_INDEX", "MASK_COLUMNS", "PackedDatasetEpochs", "invalid_label_error", "pack_dataset",
-           "segment_aranges"]
+__all__ = ["PackedDatasetEpochs", "pack_dataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -335,37 +335,11 @@ class _Documents:
             else:
                 self.labels.take(segment_aranges(starts["labels"][pieces], lengths, out=gather), out=labels)
             for mask in self.masks:
-                labels[mask.take(segment_aranges(starts[mask.name][pieces], lengths, out=gather)) == 0] = IGNORE_INDEX
-            labels[np.cumsum(lengths) - lengths] = IGNORE_INDEX
+                ignore_masked(labels, mask.take(segment_aranges(starts[mask.name][pieces], lengths, out=gather)))
+            ignore_document_starts(labels, lengths)
         if "position_ids" in out:
-            segment_aranges(np.zeros(1, np.int32), lengths, out=out["position_ids"])
+            position_ids(lengths, out=out["position_ids"])
         return out
-
-
-def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """
-    `concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop; `lengths` must be > 0.
-    `starts` of size 1 starts every segment there. Written into `out` when given (its dtype must hold the values).
-
-    Example:
-    ```python
-    >>> import numpy as np
-    >>> segment_aranges(np.array([5, 0]), np.array([2, 3])).tolist()
-    [5, 6, 0, 1, 2]
-    >>> segment_aranges(np.zeros(1, np.int32), np.array([2, 3])).tolist()
-    [0, 1, 0, 1, 2]
-
-    ```
-    """
-    steps = np.empty(int(lengths.sum()), dtype=np.int64) if out is None else out
-    if len(steps) == 0:
-        return steps
-    steps.fill(1)
-    ends = np.cumsum(lengths)[:-1]
-    starts = np.broadcast_to(starts, lengths.shape)
-    steps[0] = starts[0]
-    steps[ends] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return np.cumsum(steps, out=steps)
 
 
 def _labels_say_more(table: pa.Table, lengths: np.ndarray) -> bool:

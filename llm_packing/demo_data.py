@@ -13,7 +13,7 @@ import importlib.util
 import json
 import os
 
-from .errors import PackingValueError
+from .checks import check_integer
 
 
 DEMO_DATASET_NAME = "chitchat"
@@ -66,8 +66,7 @@ def load_chitchat_conversations(max_conversations: int | None = None) -> list[li
 
     ```
     """
-    if max_conversations is not None and max_conversations < 1:
-        raise PackingValueError(f"`max_conversations` must be at least 1 or None, got {max_conversations!r}.")
+    check_integer("max_conversations", max_conversations, optional=True)
     with open(_package_file("chitchat_dataset", "dataset.json"), encoding="utf-8") as file:
         chats = json.load(file)
     conversations = []

@@ -6,9 +6,10 @@ import os
 import datasets
 from transformers import AutoTokenizer
 
-from .dataset import IGNORE_INDEX
+from .checks import check_integer
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
 from .errors import PackingValueError
+from .layout import IGNORE_INDEX
 from .pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 
 
@@ -58,8 +59,7 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
     One split of a dataset: `"chitchat"` (the built-in demo conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
     file, or a hub dataset / dataset folder. `max_samples` keeps the first that many examples.
     """
-    if max_samples is not None and max_samples < 1:
-        raise PackingValueError(f"`max_samples` must be at least 1 or None, got {max_samples!r}.")
+    check_integer("max_samples", max_samples, optional=True)
     check_dataset_name(name)
     if name == DEMO_DATASET_NAME:
         dataset = load_chitchat_dataset(max_samples)

@@ -27,43 +27,6 @@ _MEDIA_TOKEN_FIELDS = tuple(
 _guards: dict[int, torch.utils.hooks.RemovableHandle] = {}  # id(model) -> its forward pre-hook
 
 
-def causal_lm_model_type(config) -> str | None:
-    """
-    The model type under which the support table lists `config`'s architecture: `config.model_type` if it names a
-    causal LM, else the single causal LM type of the package that defines `config` (a text config of a multimodal
-    model), else `config.model_type` unchanged.
-
-    Example:
-    ```python
-    >>> from transformers import MllamaTextConfig
-    >>> from llm_packing.multimodal import causal_lm_model_type
-    >>> MllamaTextConfig().model_type, causal_lm_model_type(MllamaTextConfig())
-    ('mllama_text_model', 'mllama')
-
-    ```
-    """
-    from .architectures import _causal_lm_classes
-
-    model_type = getattr(config, "model_type", None)
-    if model_type in _causal_lm_classes():
-        return model_type
-    package = _package_of(type(config))
-    same_package = [t for t in _causal_lm_classes() if package is not None and _module_name(t) == package]
-    return same_package[0] if len(same_package) == 1 else model_type
-
-
-def _package_of(config_class) -> str | None:
-    parts = config_class.__module__.split(".")
-    return parts[2] if parts[:2] == ["transformers", "models"] and len(parts) > 3 else None
-
-
-@functools.cache
-def _module_name(model_type: str) -> str:
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    return model_type_to_module_name(model_type)
-
-
 def media_argument_names(model) -> tuple[str, ...]:
     """The arguments of `model.forward` that carry images, video or audio (empty for a text-only model)."""
     import inspect

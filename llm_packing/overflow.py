@@ -9,7 +9,8 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import PackingValueError, SequenceTooLongError
+from .checks import check_choice, check_integer
+from .errors import SequenceTooLongError
 
 
 OverflowPolicy = Literal["error", "truncate", "split", "drop"]
@@ -41,17 +42,14 @@ class Pieces:
 
 
 def check_overflow_policy(overflow: str) -> None:
-    if overflow not in OVERFLOW_POLICIES:
-        raise PackingValueError(
-            f"`overflow` must be one of {OVERFLOW_POLICIES}, got {overflow!r}. Use 'error' to be told about over-long "
-            "sequences, 'truncate' to keep their first `max_length` tokens, 'split' to cut them into `max_length` "
-            "chunks packed as separate documents, or 'drop' to leave them out."
-        )
+    check_choice("overflow", overflow, OVERFLOW_POLICIES, fix=(
+        "Use 'error' to be told about over-long sequences, 'truncate' to keep their first `max_length` tokens, "
+        "'split' to cut them into `max_length` chunks packed as separate documents, or 'drop' to leave them out."
+    ))
 
 
 def check_max_length(max_length: int) -> None:
-    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length <= 0:
-        raise PackingValueError(f"`max_length` must be a positive integer (tokens per packed row), got {max_length!r}.")
+    check_integer("max_length", max_length, meaning="tokens per packed row")
 
 
 def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *, first_row: int = 0) -> Pieces:
@@ -83,6 +81,7 @@ def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *
 
     ```
     """
+    check_overflow_policy(overflow)  # any other value would cut like "truncate" without counting it
     lengths = np.asarray(lengths, dtype=np.int64)
     too_long = lengths > max_length
     num_too_long = int(too_long.sum())

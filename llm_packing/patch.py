@@ -25,19 +25,16 @@ import torch
 
 from . import _compat, mixers, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
+from .layout import MASK_BUILDER_NAMES
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
+from .model_types import causal_lm_model_type
 
 
 # Every object the hook replaces: the mask builders (in masking_utils and in every module that imported them by name)
 # and FlashAttention's unpad helper. `LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING` values are replaced too.
 _MASKING_MODULE = "transformers.masking_utils"
 _FLASH_MODULE = "transformers.modeling_flash_attention_utils"
-_PATCH_TARGETS = {
-    "create_causal_mask": _MASKING_MODULE,
-    "create_sliding_window_causal_mask": _MASKING_MODULE,
-    "create_chunked_causal_mask": _MASKING_MODULE,
-    "_get_unpad_data": _FLASH_MODULE,
-}
+_PATCH_TARGETS = {**dict.fromkeys(MASK_BUILDER_NAMES, _MASKING_MODULE), "_get_unpad_data": _FLASH_MODULE}
 
 _originals: dict[str, Any] = {}  # target name -> original object
 _wrappers: dict[str, Any] = {}  # target name -> our replacement
@@ -377,7 +374,7 @@ def _import_modeling_module(config) -> None:
     """Import the architecture's modeling module now, so its module-level builder bindings get patched too."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    model_type = multimodal.causal_lm_model_type(config)
+    model_type = causal_lm_model_type(config)
     if not model_type:
         return
     module_name = model_type_to_module_name(model_type)

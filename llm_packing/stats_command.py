@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .binpack import STRATEGIES, PackResult, pack_sequences
+from .checks import check_integer
 from .documents import DEMO_TOKENIZER_NAME, load_documents, load_tokenizer, tokenize_documents
 from .errors import PackingValueError
 from .overflow import OVERFLOW_POLICIES, check_max_length, check_overflow_policy, cut_pieces
@@ -155,9 +156,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
     # Parsed here rather than by argparse `type=int`, so that a bad value raises PackingValueError, not SystemExit.
-    if value is not None and not (value.lstrip("-").isdecimal() and int(value) >= minimum):
-        raise PackingValueError(f"`{flag}` must be an integer >= {minimum}, got {value!r}.")
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    number = int(value) if value.removeprefix("-").isdecimal() else value
+    check_integer(flag, number, minimum=minimum)
+    return number
 
 
 def document_lengths(args: argparse.Namespace) -> np.ndarray:

@@ -15,10 +15,11 @@ import datasets
 import numpy as np
 
 from .binpack import pack_sequences, seed_from_components
-from .errors import PackingTypeError, PackingValueError
+from .checks import check_integer
+from .errors import PackingValueError
+from .layout import MASK_COLUMNS, check_tokens, flat_integers, ignore_document_starts, ignore_masked, position_ids
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .stats import PackingStats
-from .token_columns import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS
 
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,7 @@ def pack_iterable_dataset(
     """
     check_max_length(max_length)
     check_overflow_policy(overflow)
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
-        raise PackingValueError(f"`buffer_size` must be an integer >= 2 (sequences per buffer), got {buffer_size!r}.")
+    check_integer("buffer_size", buffer_size, minimum=2, meaning="sequences per buffer")
     # Packing nothing checks `strategy` and `max_docs_per_bin` now rather than once the stream is iterated.
     pack_sequences(np.zeros(0, np.int64), max_length, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     options = dict(max_length=max_length, buffer_size=buffer_size, strategy=strategy, seed=seed, overflow=overflow,
@@ -134,15 +134,13 @@ def _emit(buffer, options, round_index, bin_tokens, *, final):
 
 def _row(documents: list[tuple[np.ndarray, np.ndarray]], options: dict) -> dict[str, list[int]]:
     seq_lengths = np.array([len(ids) for ids, _ in documents], dtype=np.int32)
-    labels = np.concatenate([labels for _, labels in documents])
-    starts = np.cumsum(seq_lengths) - seq_lengths
-    labels[starts] = IGNORE_INDEX
     # Plain lists: `from_generator` hands rows on as they are, and users expect what a map-style dataset yields.
     row = {"input_ids": np.concatenate([ids for ids, _ in documents]).tolist()}
     if options["keeps_labels"]:
-        row["labels"] = labels.tolist()
+        labels = np.concatenate([labels for _, labels in documents])
+        row["labels"] = ignore_document_starts(labels, seq_lengths).tolist()
     if options["return_position_ids"]:
-        row["position_ids"] = (np.arange(int(seq_lengths.sum())) - np.repeat(starts, seq_lengths)).tolist()
+        row["position_ids"] = position_ids(seq_lengths).tolist()
     return {**row, "seq_lengths": seq_lengths.tolist()}
 
 
@@ -156,33 +154,19 @@ def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
     labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
     for name in MASK_COLUMNS:
         if example.get(name) is not None:
-            labels[_integers(example[name], name, row, len(input_ids)) == 0] = IGNORE_INDEX
+            ignore_masked(labels, _integers(example[name], name, row, len(input_ids)))
     return input_ids, labels
 
 
 def _integers(values, name: str, row: int, expected_length: int | None = None) -> np.ndarray:
-    array = np.asarray(values)
-    is_mask = name in MASK_COLUMNS
-    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or (is_mask and array.dtype == bool)
-                               or array.size == 0):
-        raise PackingTypeError(
-            f"{name!r} of example {row} must be a flat list of integers, got dtype {array.dtype} and shape "
-            f"{array.shape}. Tokenize the text and cast the ids to integers first."
-        )
+    where = f"{name!r} of example {row}"
+    array = flat_integers(values, where, booleans=name in MASK_COLUMNS)
     if expected_length is not None and len(array) != expected_length:
         raise PackingValueError(
-            f"{name!r} of example {row} has {len(array)} values but 'input_ids' has {expected_length}. Every token "
-            f"needs exactly one {name!r} entry; fix that example's preprocessing."
+            f"{where} has {len(array)} values but 'input_ids' has {expected_length}. Every token needs exactly one "
+            f"{name!r} entry; fix that example's preprocessing."
         )
-    if not is_mask and array.size:
+    if name not in MASK_COLUMNS:
         # The packed columns are int32, as in map-style packing: a value outside would wrap silently.
-        allowed = (array >= 0) & (array <= INT32_MAX)
-        if name == "labels":
-            allowed |= array == IGNORE_INDEX
-        if not allowed.all():
-            also = "" if name == "input_ids" else f"; labels may also be {IGNORE_INDEX} (not trained on)"
-            raise PackingValueError(
-                f"{name!r} of example {row} holds {array[~allowed][0].item()!r}: token ids are in [0, {INT32_MAX}]"
-                f"{also}. Fix that example's tokenization."
-            )
+        check_tokens(array, name, where)
     return array.astype(np.int32)

@@ -12,11 +12,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import PackingTypeError, PackingValueError
+from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, token_error
 
 
-IGNORE_INDEX = -100
-MASK_COLUMNS = ("completion_mask", "assistant_masks")  # TRL's: 0 marks a token that is not trained on
-INT32_MAX = np.iinfo(np.int32).max
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
 
 
@@ -71,14 +69,6 @@ class TokenColumn:
         return out
 
 
-def invalid_label_error(where: str, value: int) -> PackingValueError:
-    """The error for a label that is neither a token id nor `IGNORE_INDEX`; `where` names the example."""
-    return PackingValueError(
-        f"{where} holds {value}: a label is a token id (>= 0) or {IGNORE_INDEX} (not trained on); the loss would "
-        f"fail on anything else. Mask tokens with {IGNORE_INDEX}."
-    )
-
-
 def row_windows(lengths: np.ndarray, window: int = _CHECK_WINDOW):
     """`(first_row, last_row)` ranges of about `window` tokens (at least one row each) covering every row."""
     ends = np.cumsum(lengths)
@@ -131,10 +121,7 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
     extremes = pc.min_max(pc.list_flatten(column)).as_py()  # streams over the chunks: nothing combined
     if extremes["min"] is not None and (extremes["min"] < low or extremes["max"] > INT32_MAX):
         bad = extremes["min"] if extremes["min"] < low else extremes["max"]
-        raise PackingValueError(
-            f"Column {name!r} must hold values in [{low}, {INT32_MAX}], found {bad!r}. Token ids are non-negative; "
-            "-100 (not trained on) belongs in 'labels' only."
-        )
+        raise token_error(name, f"Column {name!r}", bad)
     if low == 0 or extremes["min"] is None or extremes["min"] >= 0:
         return
     row_ends = np.cumsum(lengths)
@@ -144,7 +131,7 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
         if wrong.any():
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))
-            raise invalid_label_error(f"Column {name!r} in row {row}", int(values[np.argmax(wrong)]))
+            raise token_error(name, f"Column {name!r} in row {row}", int(values[np.argmax(wrong)]))
 
 
 def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -33,11 +33,13 @@ import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, set_seed  # noqa: E402
 from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config  # noqa: E402
 
+from .checks import check_integer  # noqa: E402
 from .collator import DataCollatorWithPacking  # noqa: E402
 from .config import PackingArguments  # noqa: E402
 from .dataset import pack_dataset  # noqa: E402
 from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents  # noqa: E402
 from .errors import PackingValueError, UnsupportedSetupError  # noqa: E402
+from .overflow import check_max_length  # noqa: E402
 from .patch import packing_configured  # noqa: E402
 from .pretrained import BUNDLED_MODEL_NAME, load_bundled_model  # noqa: E402
 from .sample_reply import sample_reply  # noqa: E402
@@ -120,8 +122,8 @@ class ScriptArguments:
                 ) from None
         if self.model_config is not None and not isinstance(self.model_config, dict):
             raise PackingValueError(f"`model_config` must be a mapping of config keys, got {self.model_config!r}.")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise PackingValueError(f"`max_samples` must be at least 1 or null, got {self.max_samples!r}.")
+        check_integer("max_samples", self.max_samples, optional=True,
+                      fix="Write `max_samples: null` in the recipe to train on every example.")
 
 
 def make_parser():
@@ -232,8 +234,7 @@ def _check_supported(script_args, training_args, model_args) -> None:
             "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
             "`block_diag_attn: true` (the default) to pack with per-document attention."
         )
-    if training_args.max_length is None:
-        raise PackingValueError("`max_length` must be a positive integer (tokens per packed row), got None.")
+    check_max_length(training_args.max_length)
     if (model_args.model_name_or_path is None) == (script_args.model_config is None):
         raise PackingValueError(
             f"Give exactly one of `model_name_or_path` (got {model_args.model_name_or_path!r}) and `model_config` "

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .errors import PackingValueError, UnsupportedSetupError
+from .checks import check_choice
+from .errors import UnsupportedSetupError
 from .masks import document_runs
 
 
@@ -258,11 +259,10 @@ def check_route(attention_route, config) -> None:
     if attention_route is None:
         attention_route = _route
 
-    if attention_route not in ROUTES:
-        raise PackingValueError(
-            f"`attention_route` must be one of {', '.join(map(repr, ROUTES))}, got {attention_route!r}. 'auto' takes "
-            "the varlen route on sdpa where the architecture allows it, 'dense' forces transformers' dense mask."
-        )
+    check_choice("attention_route", attention_route, ROUTES, fix=(
+        "'auto' takes the varlen route on sdpa where the architecture allows it, 'dense' forces transformers' dense "
+        "mask."
+    ))
     backend = getattr(config, "_attn_implementation", None)
     if attention_route == "varlen":
         route, reason = sdpa_route(config)

@@ -8,7 +8,7 @@ from tiny_models import packed_batch, tiny_model
 from transformers import MllamaTextConfig
 
 from llm_packing.errors import UnsupportedSetupError
-from llm_packing.multimodal import causal_lm_model_type
+from llm_packing.model_types import causal_lm_model_type
 from llm_packing.patch import packing_configured
 
 

@@ -21,9 +21,9 @@ from llm_packing import (
     verify_packing,
 )
 from llm_packing import _compat
+from llm_packing.layout import MASK_BUILDER_NAMES
 
 
-BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 PACKED = dict(
     input_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
     attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
@@ -40,7 +40,7 @@ def model():
 
 def _bindings():
     return {
-        "masking_utils": [getattr(masking_utils, name) for name in BUILDERS],
+        "masking_utils": [getattr(masking_utils, name) for name in MASK_BUILDER_NAMES],
         "modeling_llama": [modeling_llama.create_causal_mask],
         "flash": [flash_utils._get_unpad_data],
         "mapping": dict(masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING),

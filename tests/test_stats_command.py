@@ -139,7 +139,7 @@ def test_text_field(tmp_path):
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--max_length", "0"], "`--max_length` must be an integer >= 1, got '0'"),
+    (["--max_length", "0"], "`--max_length` must be a positive integer, got 0"),
     (["--max_length", "-8"], "`--max_length`"),
     (["--max_length", "2k"], "`--max_length`"),
     (["--max_length", "64", "--max_samples", "0"], "`--max_samples`"),

@@ -138,7 +138,7 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
 class TestRouteSwitch:
     def test_unknown_route_is_refused_with_the_allowed_set(self):
         model = tiny_model("llama", "sdpa")
-        with pytest.raises(PackingValueError, match=r"'auto', 'varlen', 'dense', got 'fast'"):
+        with pytest.raises(PackingValueError, match=r"\('auto', 'varlen', 'dense'\), got 'fast'"):
             configure_packing(model, attention_route="fast")
         with pytest.raises(PackingValueError, match="attention_route"):
             PackingArguments(attention_route="fast")
