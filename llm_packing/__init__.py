@@ -23,6 +23,7 @@ _EXPORTS = {
         ("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "patch"
     ),
     "PackingStats": "stats",
+    "PackedDPOTrainer": "preference",
     "PackedSFTTrainer": "trainer",
     "verify_packing": "verify",
 }
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     )
     from .masks import get_seqlens_in_batch, get_unpad_data, is_indexed_packed_mask
     from .patch import configure_packing, is_packing_configured, packing_configured, unconfigure_packing
+    from .preference import PackedDPOTrainer
     from .stats import PackingStats
     from .trainer import PackedSFTTrainer
     from .verify import verify_packing
