@@ -29,9 +29,11 @@ ATTENTION_LAYER_TYPES = frozenset(
     {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
 )
 # Backends the parity matrix runs on CPU. FlashAttention goes through tests/test_flash_path.py's reference kernel: every
-# supported architecture on flash_attention_2, a sample on flash_attention_3 (the same transformers code path).
+# supported architecture on flash_attention_2, the sample `FLASH_ATTENTION_3_RUN` on flash_attention_3 (the same
+# transformers code path); the table marks the other flash_attention_3 cells as inferred.
 MATRIX_BACKENDS = ("eager", "sdpa", "flex_attention")
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+FLASH_ATTENTION_3_RUN = ("llama", "qwen2", "gemma2", "gpt_oss", "falcon")  # plain, sliding, softcap, sinks, own class
 # The model-class flag with which transformers declares a backend (building a model without it raises ValueError).
 _BACKEND_FLAGS = {
     "eager": None,

@@ -6,6 +6,7 @@ checks that the committed file is what this prints.
 """
 
 from .architectures import (
+    FLASH_ATTENTION_3_RUN,
     FLASH_BACKENDS,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
@@ -34,8 +35,9 @@ def _cell(model_type: str, backend: str) -> str:
 
         route, reason = sdpa_route(AutoConfig.for_model(model_type))
         return "exact (varlen)" if route == "varlen" else f"exact (dense: {reason})"
+    verdict = "inferred" if backend == "flash_attention_3" and model_type not in FLASH_ATTENTION_3_RUN else "exact"
     substitute = _flash_substitute(model_type, backend)
-    return f"exact (runs {substitute})" if substitute else "exact"
+    return f"{verdict} (runs {substitute})" if substitute else verdict
 
 
 def support_matrix_markdown() -> str:
@@ -52,12 +54,15 @@ def support_matrix_markdown() -> str:
         "`exact`: packed logits equal separate-document logits within 1e-5 (float32). `tests/test_parity.py` runs "
         "eager, sdpa and flex_attention on CPU (per-token losses too); `tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
-        "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3, which takes the same path "
-        "(the test asserts it). `exact (varlen)` on sdpa: packed batches take the varlen route (per-document SDPA, "
+        "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3. `inferred`: not run; "
+        "flash_attention_3 takes flash_attention_2's path with another kernel (the test asserts it), so the cell "
+        "follows from the flash_attention_2 one. `exact (varlen)` on sdpa: packed batches take the varlen route "
+        "(per-document SDPA, "
         "`llm_packing/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "
         "parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which keeps "
-        "transformers' dense packed mask. `exact (runs K)`: transformers serves a FlashAttention request with the "
-        "architecture's own kernel K (one that takes attention sinks); that is the path tested. `n/a`: transformers "
+        "transformers' dense packed mask. `exact (runs K)` (or `inferred (runs K)`): transformers serves a "
+        "FlashAttention request with the architecture's own kernel K (one that takes attention sinks); that is the "
+        "path tested. `n/a`: transformers "
         "offers no such backend for the architecture.",
         "",
         f"## Supported ({len(supported_model_types())})",

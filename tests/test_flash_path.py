@@ -24,18 +24,23 @@ from transformers import masking_utils, modeling_utils
 from transformers import modeling_flash_attention_utils as flash_utils
 from transformers.integrations import flash_attention, hub_kernels, msa_attention
 
-from llm_packing.architectures import FLASH_BACKENDS, REFUSED_BACKENDS, backend_available, supported_model_types
+from llm_packing.architectures import (
+    FLASH_ATTENTION_3_RUN,
+    FLASH_BACKENDS,
+    REFUSED_BACKENDS,
+    backend_available,
+    supported_model_types,
+)
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.patch import packing_configured
 
 
 TOLERANCE = 1e-5
 # flash_attention_3 differs from flash_attention_2 only in the kernel transformers loads (asserted by
-# `test_flash_attention_3_takes_the_flash_attention_2_path`), so it runs for a sample: plain, sliding windows,
-# softcap, attention sinks, and falcon's own FlashAttention class.
-FLASH_ATTENTION_3_SAMPLE = ("llama", "qwen2", "gemma2", "gpt_oss", "falcon")
+# `test_flash_attention_3_takes_the_flash_attention_2_path`), so it runs for a sample (the support table marks the
+# other cells as inferred): plain, sliding windows, softcap, attention sinks, and falcon's own FlashAttention class.
 FLASH_MATRIX = [(model_type, "flash_attention_2") for model_type in supported_model_types()] + [
-    (model_type, "flash_attention_3") for model_type in FLASH_ATTENTION_3_SAMPLE
+    (model_type, "flash_attention_3") for model_type in FLASH_ATTENTION_3_RUN
 ]
 # transformers refuses FlashAttention while `prefix_lm=True` (it cannot express the PrefixLM mask overlay); the FA
 # cell covers the configs that can use it.

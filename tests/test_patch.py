@@ -2,6 +2,9 @@
 Exactness per architecture and backend is tests/test_parity.py."""
 
 import functools
+import importlib
+import sys
+import warnings
 
 import pytest
 import torch
@@ -24,6 +27,8 @@ from llm_packing import _compat
 from llm_packing.layout import MASK_BUILDER_NAMES
 
 
+# A modeling module that imports `create_causal_mask` by name and that the `model` fixture does not import itself.
+LATE_MODULE = "transformers.models.mistral.modeling_mistral"
 PACKED = dict(
     input_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
     attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
@@ -83,11 +88,18 @@ class TestPatching:
             raise RuntimeError("boom")
         assert not is_packing_configured()
 
-    def test_modules_imported_after_configure_bind_the_patched_builder(self, model):
+    def test_modules_imported_after_configure_bind_the_patched_builder(self, model, monkeypatch):
+        # A modeling module imported for the first time after configure_packing: dropped from sys.modules (and put
+        # back afterwards) so that the import below runs its `from ..masking_utils import create_causal_mask` now.
+        original = masking_utils.create_causal_mask
+        monkeypatch.delitem(sys.modules, LATE_MODULE, raising=False)
         configure_packing(model)
-        from transformers.masking_utils import create_causal_mask
+        late = importlib.import_module(LATE_MODULE)
 
-        assert create_causal_mask is modeling_llama.create_causal_mask
+        assert late is not sys.modules.get("transformers.models.llama.modeling_llama")
+        assert late.create_causal_mask is not original
+        assert late.create_causal_mask.__wrapped__ is original
+        assert late.create_causal_mask is modeling_llama.create_causal_mask is masking_utils.create_causal_mask
 
     def test_attn_implementation_argument_switches_the_backend(self, model):
         configure_packing(model, attn_implementation="eager")
@@ -174,6 +186,9 @@ class TestVersionChecks:
         monkeypatch.setattr(_compat, "_warned_untested", False)
         with pytest.warns(UserWarning, match="tested with transformers"):
             configure_packing(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            configure_packing(model)
 
 
 class TestRefusals:
@@ -192,4 +207,7 @@ class TestRefusals:
         monkeypatch.setattr(patch, "_warned_dense_mask", False)
         configure_packing(model, attention_route="dense")  # the default varlen route builds no dense mask
         with torch.no_grad(), pytest.warns(UserWarning, match="flash_attention_2"):
+            model(**PACKED, use_cache=False)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
             model(**PACKED, use_cache=False)
