@@ -195,8 +195,8 @@ class TestRefusals:
     def test_hybrid_architecture_is_refused_and_nothing_is_patched(self):
         from transformers import AutoConfig
 
-        with pytest.raises(UnsupportedSetupError, match="'bailing_hybrid'.*hybrid"):
-            configure_packing(AutoConfig.for_model("bailing_hybrid"))
+        with pytest.raises(UnsupportedSetupError, match="'zaya'.*hybrid"):
+            configure_packing(AutoConfig.for_model("zaya"))
         assert not is_packing_configured()
         assert not hasattr(modeling_llama.create_causal_mask, "__wrapped__")
 
