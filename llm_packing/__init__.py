@@ -24,6 +24,7 @@ _EXPORTS = {
     ),
     "PackingStats": "stats",
     "PackedDPOTrainer": "preference",
+    "PackedGRPOTrainer": "grpo",
     "PackedSFTTrainer": "trainer",
     "verify_packing": "verify",
 }
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     )
     from .masks import get_seqlens_in_batch, get_unpad_data, is_indexed_packed_mask
     from .patch import configure_packing, is_packing_configured, packing_configured, unconfigure_packing
+    from .grpo import PackedGRPOTrainer
     from .preference import PackedDPOTrainer
     from .stats import PackingStats
     from .trainer import PackedSFTTrainer

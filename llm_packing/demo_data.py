@@ -131,3 +131,45 @@ def load_demo_tokenizer():
     tokenizer = LlamaTokenizer(vocab=dict(vocab), merges=list(merges), pad_token="<unk>")
     tokenizer.chat_template = DEMO_CHAT_TEMPLATE
     return tokenizer
+
+
+def load_chitchat_preference_pairs(max_pairs: int | None = None) -> list[dict[str, list[dict[str, str]]]]:
+    """
+    Preference pairs built offline from the demo conversations, in TRL's conversational format.
+
+    Each user turn of conversation `i` followed by an assistant reply is a `prompt`; that real reply is `chosen`, and
+    the reply at the same exchange (modulo its length) of conversation `i + 1` is `rejected`: fluent text, but an
+    answer to another message. Order is the corpus file's, so the pairs are the same on every run and every rank.
+
+    Args:
+        max_pairs (`int`, *optional*):
+            Keep only the first this many pairs.
+
+    Example:
+    ```python
+    >>> pair = load_chitchat_preference_pairs(max_pairs=1)[0]
+    >>> pair["prompt"][0]["content"], pair["chosen"][0]["content"]
+    ('Hello How are you doing today?', 'whats up MD im doing good how are you doing?')
+    >>> pair["rejected"][0]["role"]
+    'assistant'
+
+    ```
+    """
+    if max_pairs is not None and max_pairs < 1:
+        raise PackingValueError(f"`max_pairs` must be at least 1 or None, got {max_pairs!r}.")
+    conversations = load_chitchat_conversations()
+    exchanges = [
+        [(chat[k], chat[k + 1]) for k in range(len(chat) - 1) if chat[k]["role"] == "user"]
+        for chat in conversations
+    ]
+    exchanges = [chat for chat in exchanges if chat]
+    pairs = []
+    for i, chat in enumerate(exchanges):
+        other = exchanges[(i + 1) % len(exchanges)]
+        for k, (prompt, reply) in enumerate(chat):
+            rejected = other[k % len(other)][1]
+            if rejected["content"] != reply["content"]:
+                pairs.append({"prompt": [prompt], "chosen": [reply], "rejected": [rejected]})
+            if max_pairs is not None and len(pairs) == max_pairs:
+                return pairs
+    return pairs

@@ -12,6 +12,7 @@ next document's first one.
 """
 
 import functools
+import logging
 import types
 from dataclasses import dataclass
 
@@ -26,7 +27,11 @@ from .errors import (
     SequenceTooLongError,
     UnsupportedSetupError,
 )
-from .patch import is_packing_configured
+from .patch import configure_packing, is_packing_configured
+from .verify import verify_packing
+
+
+logger = logging.getLogger(__name__)
 
 
 # Per-token fields of TRL's `FusedCausalLMOutput`, each `(batch, length - 1)`, zero where the label is -100.
@@ -196,6 +201,26 @@ def pack_fused_lm_head(model, *, max_length: int | None = None):
     packed_fused_forward._packs_padded_batches = True
     model.forward = types.MethodType(packed_fused_forward, model)
     return model
+
+
+def pack_trainer_models(trainer, *, max_length: int | None, verify: bool) -> None:
+    """
+    For a TRL trainer that built its fused LM heads (DPO, GRPO): [`~llm_packing.configure_packing`] on the policy and
+    the reference model, [`pack_fused_lm_head`] on both, then [`~llm_packing.verify_packing`] on the policy (logged).
+    """
+    models = [trainer.accelerator.unwrap_model(trainer.model)]
+    if getattr(trainer, "ref_model", None) is not None:
+        models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
+    for model in models:
+        configure_packing(model)
+        # TRL adds the fused head to the model under PEFT's wrapper.
+        pack_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
+                           max_length=max_length)
+    if not verify:
+        logger.info("isolation not verified (`verify_packing` off)")
+        return
+    difference = verify_packing(models[0])
+    logger.info("isolation verified: packed logits equal per-document logits (max abs diff %.2g)", difference)
 
 
 def next_token_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,6 @@ each sequence attends only to itself with positions from 0: the per-token log-pr
 `loss_type` and every logged metric, are TRL's own.
 """
 
-import logging
-
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset
@@ -16,12 +14,7 @@ from trl import DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from .errors import PackingValueError, SequenceTooLongError
-from .padded_forward import pack_fused_lm_head
-from .patch import configure_packing
-from .verify import verify_packing as check_isolation
-
-
-logger = logging.getLogger(__name__)
+from .padded_forward import pack_trainer_models
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -78,19 +71,7 @@ class PackedDPOTrainer(DPOTrainer):
         if isinstance(self.data_collator, DataCollatorForPreference):
             # The packed forward refuses an over-long sequence; TRL's collator would cut it first.
             self.data_collator.max_length = None
-        models = [self.accelerator.unwrap_model(self.model)]
-        if self.ref_model is not None:
-            models.append(self.accelerator.unwrap_model(self.ref_model))
-        for model_ in models:
-            configure_packing(model_)
-            # TRL adds the fused head to the model under PEFT's wrapper.
-            pack_fused_lm_head(model_.get_base_model() if hasattr(model_, "get_base_model") else model_,
-                               max_length=max_length)
-        if verify_packing:
-            difference = check_isolation(models[0])
-            logger.info("isolation verified: packed logits equal per-document logits (max abs diff %.2g)", difference)
-        else:
-            logger.info("isolation not verified (`verify_packing` off)")
+        pack_trainer_models(self, max_length=max_length, verify=verify_packing)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         _check_batch(inputs)

@@ -111,6 +111,11 @@ class ScriptArguments:
     sample_prompt: str | None = field(
         default=None, metadata={"help": "Log the model's greedy reply to this prompt before and after training."},
     )
+    trainer: str = field(
+        default="sft",
+        metadata={"help": "sft (packed documents), or dpo: TRL's DPOTrainer with its forwards packed, taking "
+                          "DPOConfig keys (see llm_packing.train_preference).", "choices": ["sft", "dpo"]},
+    )
 
     def __post_init__(self):
         if isinstance(self.model_config, str):
@@ -126,10 +131,14 @@ class ScriptArguments:
                       fix="Write `max_samples: null` in the recipe to train on every example.")
 
 
-def make_parser():
-    """The `TrlParser` for recipes: `ScriptArguments`, `PackedSFTConfig`, `ModelConfig`, `PackingArguments`."""
+def make_parser(trainer: str = "sft"):
+    """The `TrlParser` for recipes: `ScriptArguments`, `PackedSFTConfig` (or `trainer`'s TRL config), `ModelConfig`,
+    `PackingArguments`."""
+    from .train_preference import TRAINING_CONFIGS
+
+    training_config = TRAINING_CONFIGS.get(trainer, PackedSFTConfig)
     # No abbreviated flags, so that a typo is reported rather than matched to some other option.
-    parser = TrlParser((ScriptArguments, PackedSFTConfig, ModelConfig, PackingArguments), allow_abbrev=False,
+    parser = TrlParser((ScriptArguments, training_config, ModelConfig, PackingArguments), allow_abbrev=False,
                        prog=_prog())
     for action in parser._actions:  # HfArgumentParser gives `--no_X` the help of `--X` and "(default: False)"
         if action.option_strings and action.option_strings[0].startswith("--no_"):
@@ -151,7 +160,7 @@ def parse_args(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--config=path` as `--config path`, the only form TrlParser reads.
     argv = [part for token in argv for part in (token.split("=", 1) if token.startswith("--config=") else [token])]
-    parser = make_parser()
+    parser = make_parser(_trainer_name(argv))
     valid_keys = sorted({action.dest for action in parser._actions} - {"help"})
     if "--help_all" in argv:
         parser.print_help()
@@ -221,6 +230,21 @@ def _config_path(argv: list[str]) -> str | None:
     return None
 
 
+def _trainer_name(argv: list[str]) -> str:
+    """The `trainer` of the flags, else of the recipe: it decides which TRL config parses the other keys."""
+    for i, token in enumerate(argv[:-1]):
+        if token == "--trainer":
+            return argv[i + 1]
+    path = _config_path(argv)
+    if path is None:
+        return "sft"
+    with open(path, encoding="utf-8") as file:
+        with contextlib.suppress(yaml.YAMLError):
+            recipe = yaml.safe_load(file)
+            return recipe.get("trainer", "sft") if isinstance(recipe, dict) else "sft"
+    return "sft"
+
+
 def _did_you_mean(key: str, valid_keys: list[str]) -> str:
     close = difflib.get_close_matches(key, valid_keys, n=1)
     hint = f": did you mean {close[0]!r}?" if close else "."
@@ -229,7 +253,7 @@ def _did_you_mean(key: str, valid_keys: list[str]) -> str:
 
 
 def _check_supported(script_args, training_args, model_args) -> None:
-    if training_args.packing:
+    if getattr(training_args, "packing", False):
         raise PackingValueError(
             "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
             "`block_diag_attn: true` (the default) to pack with per-document attention."
@@ -250,7 +274,12 @@ def _check_supported(script_args, training_args, model_args) -> None:
 
 def main(argv: list[str] | None = None):
     """Parse the recipe and flags in `argv` (default `sys.argv[1:]`) and train; returns the `TrainOutput`."""
-    return train(*parse_args(argv))
+    arguments = parse_args(argv)
+    if arguments[0].trainer != "sft":
+        from .train_preference import train_preference
+
+        return train_preference(*arguments)
+    return train(*arguments)
 
 
 def train(script_args, training_args, model_args, packing_args):

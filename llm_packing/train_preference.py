@@ -1,0 +1,69 @@
+"""The `trainer: dpo` flow of `python -m llm_packing.train`: TRL's DPOTrainer with its forwards packed.
+
+A recipe with `trainer: dpo` takes TRL's `DPOConfig` keys instead of `SFTConfig`'s. Data: `dataset_name: chitchat`
+gives the preference pairs of [`~llm_packing.demo_data.load_chitchat_preference_pairs`] (the real reply chosen,
+another conversation's reply rejected); any other dataset needs TRL's `prompt`/`chosen`/`rejected` columns. The model
+trains with [`~llm_packing.preference.PackedDPOTrainer`], which configures and verifies the hook.
+"""
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+from datasets import Dataset
+from transformers import set_seed
+from trl import DPOConfig, get_peft_config
+
+from .demo_data import DEMO_DATASET_NAME, load_chitchat_preference_pairs
+from .documents import load_documents, load_tokenizer
+from .patch import unconfigure_packing
+
+
+logger = logging.getLogger("llm_packing.train")
+
+@dataclass
+class PackedDPOConfig(DPOConfig):
+    """TRL's `DPOConfig` minus `padding_free`, which [`~llm_packing.config.PackingArguments`] owns (TRL 1.16 forces
+    it off for DPO anyway; the packed forward removes the padding)."""
+
+    padding_free: bool = field(default=False, init=False)
+
+
+# `trainer` recipe key -> TRL config dataclass whose keys the recipe takes.
+TRAINING_CONFIGS = {"dpo": PackedDPOConfig}
+
+
+def train_preference(script_args, training_args, model_args, packing_args):
+    """Train with `PackedDPOTrainer` as the parsed recipe says; returns the `TrainOutput`."""
+    from .preference import PackedDPOTrainer
+    from .train import _setup_logging, load_model
+
+    _setup_logging(training_args)
+    set_seed(training_args.seed)
+    tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                               revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
+    model = load_model(script_args, model_args, training_args, tokenizer)
+    if script_args.dataset_name == DEMO_DATASET_NAME:
+        pairs = Dataset.from_list(load_chitchat_preference_pairs(script_args.max_samples))
+    else:
+        pairs = load_documents(script_args.dataset_name, config=script_args.dataset_config,
+                               split=script_args.dataset_train_split, max_samples=script_args.max_samples)
+    peft_config = get_peft_config(model_args)
+    # PEFT's reference is the model with its adapter disabled; a full fine-tune needs a frozen copy.
+    ref_model = None if peft_config is not None or training_args.precompute_ref_log_probs else copy.deepcopy(model)
+    logger.info("DPO on %d preference pairs; attention backend %r; forwards packed into rows of %s tokens",
+                len(pairs), model.config._attn_implementation, training_args.max_length)
+    try:
+        trainer = PackedDPOTrainer(model, ref_model, args=training_args, train_dataset=pairs,
+                                   processing_class=tokenizer, peft_config=peft_config,
+                                   verify_packing=packing_args.verify_packing)
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model(training_args.output_dir)
+    finally:
+        unconfigure_packing()
+    if trainer.is_world_process_zero():
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        last = f"last logged loss {logged[-1]['loss']:.4f}" if logged else "no loss logged"
+        logger.info("trained %d optimizer steps; %s; mean loss over the run %.4f; model saved to %s",
+                    trainer.state.global_step, last, result.training_loss, training_args.output_dir)
+    return result
