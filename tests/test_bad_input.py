@@ -11,8 +11,10 @@ is -100 only). Ids at or above the vocabulary size cannot be checked without the
 layer refuses them, and `pack_dataset` refuses ids that do not fit its int32 columns.
 """
 
+import json
 import re
-import tracemalloc
+import subprocess
+import sys
 import warnings
 
 import datasets
@@ -576,23 +578,60 @@ class TestResourceBounds:
                                                  position_ids=PACKED["position_ids"])
         assert built is mask  # no (batch, 1, length, length) mask is ever built on the varlen path
 
-    @pytest.mark.parametrize("length", [1 << 12, 1 << 14, 1 << 16])
-    def test_varlen_metadata_is_linear_in_tokens(self, length):
-        rng = np.random.default_rng(length)
-        doc_lengths = rng.integers(1, 64, length // 16)
-        doc_lengths = doc_lengths[np.cumsum(doc_lengths) <= length - 7]
-        row = np.repeat(np.arange(1, len(doc_lengths) + 1), doc_lengths)
-        mask = torch.zeros(2, length, dtype=torch.long)
-        mask[:, : len(row)] = torch.from_numpy(row)
-        tracemalloc.start()
-        indices, cu_seqlens, _ = get_unpad_data(mask)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert len(indices) == 2 * len(row) and len(cu_seqlens) == 2 * len(doc_lengths) + 1
-        assert peak <= 64 * mask.numel()  # a few int64 arrays per token; a quadratic path would need length^2
-        batch = DataCollatorWithPacking(return_flash_attn_kwargs=True)(
-            [{"input_ids": [1] * len(row), "seq_lengths": doc_lengths.tolist()}] * 2)
-        assert len(batch["cu_seq_lens_q"]) == 2 * len(doc_lengths) + 1 + (len(row) < batch["input_ids"].shape[1])
+    def test_varlen_metadata_is_linear_in_tokens(self):
+        """Peak resident memory of `get_unpad_data` and of the collator's `return_flash_attn_kwargs=True` path, measured
+        in a fresh process (tracemalloc does not see torch's allocator: a 64 MiB `torch.zeros` shows 480 bytes)."""
+        completed = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROBE], capture_output=True, text=True,
+                                   timeout=300, check=False)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        for length, (tokens, documents, unpad_peak, collator_peak, cu_seq_lens, width) in json.loads(completed.stdout).items():
+            # A few int64 arrays per token (plus allocator slack); a quadratic path needs 2 x length^2 bytes or more.
+            bound = 64 * tokens + (1 << 20)
+            assert unpad_peak <= bound and collator_peak <= bound, (length, unpad_peak, collator_peak, bound)
+            assert cu_seq_lens == documents + 1 + int(tokens < 2 * width), length  # one segment for a row's padding
+
+
+# Rows of 4k, 16k and 64k tokens, two per batch, documents of 1-63 tokens: prints {length: [tokens, documents, peak
+# bytes of get_unpad_data, peak bytes of the collator, len(cu_seq_lens_q), collated row width]}. Peaks are the growth of the process's
+# high-water RSS (reset through /proc/self/clear_refs) over its RSS just before the call, after a small warm-up call
+# (so that no code page loaded on first use counts). The data segment is capped 1 GiB above its size at the start, so
+# that a quadratic implementation fails with an allocation error instead of taking 8 GiB of a shared machine.
+PEAK_MEMORY_PROBE = """
+import json, resource
+import numpy as np, torch
+from llm_packing.collator import DataCollatorWithPacking
+from llm_packing.masks import get_unpad_data
+
+def status(field):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+def peak_growth(function):
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = status("VmRSS")
+    result = function()
+    return status("VmHWM") - before, result
+
+resource.setrlimit(resource.RLIMIT_DATA, (status("VmData") + (1 << 30), resource.RLIM_INFINITY))
+collate = DataCollatorWithPacking(return_flash_attn_kwargs=True)
+measured = {}
+for length in (1 << 12, 1 << 14, 1 << 16):
+    rng = np.random.default_rng(length)
+    doc_lengths = rng.integers(1, 64, length // 16)
+    doc_lengths = doc_lengths[np.cumsum(doc_lengths) <= length - 7]
+    row = np.repeat(np.arange(1, len(doc_lengths) + 1), doc_lengths)
+    mask = torch.zeros(2, length, dtype=torch.long)
+    mask[:, : len(row)] = torch.from_numpy(row)
+    features = [{"input_ids": [1] * len(row), "seq_lengths": doc_lengths.tolist()}] * 2
+    get_unpad_data(mask[:, :64].clone())
+    collate(features[:1])
+    unpad_peak, (indices, cu_seqlens, _) = peak_growth(lambda: get_unpad_data(mask))
+    assert len(indices) == 2 * len(row) and len(cu_seqlens) == 2 * len(doc_lengths) + 1
+    collator_peak, batch = peak_growth(lambda: collate(features))
+    measured[length] = [2 * len(row), 2 * len(doc_lengths), unpad_peak, collator_peak, len(batch["cu_seq_lens_q"]),
+                        batch["input_ids"].shape[1]]
+print(json.dumps(measured))
+"""
 
 
 def test_every_error_is_a_packing_error_and_the_builtin_callers_expect():

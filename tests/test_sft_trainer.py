@@ -1,4 +1,6 @@
-"""End to end with TRL: SFTTrainer on `pack_dataset` output gives the first-step loss of the same documents unpacked."""
+"""End to end with TRL: SFTTrainer on `pack_dataset` output gives the losses of the same documents unpacked, step after
+step: with plain SGD each step's loss follows from the previous step's gradients, so equal losses at steps 2 and 3 cover
+the gradients too (Adam's first steps move each weight by about the learning rate whatever the gradient's size)."""
 
 import math
 
@@ -21,6 +23,8 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2)
 LENGTHS = [5, 9, 14, 3, 21, 7, 11, 2, 17, 6]  # 95 tokens; rows of 32 hold several documents each
 MAX_LENGTH = 32
+STEPS = 3
+LEARNING_RATE = 0.5  # plain SGD: large enough that each step moves the loss far more than the tolerance
 
 
 class LossRecordingSFTTrainer(SFTTrainer):
@@ -51,7 +55,8 @@ def train(tmp_path, attn_implementation, dataset, batch_size, data_collator=None
     if isinstance(data_collator, DataCollatorWithPacking):
         configure_packing(model)
     args = SFTConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=batch_size, max_steps=3, learning_rate=1e-3,
+        output_dir=str(tmp_path), per_device_train_batch_size=batch_size, max_steps=STEPS, optim="sgd",
+        learning_rate=LEARNING_RATE,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, activation_checkpointing=False, seed=0,
         dataset_kwargs={"skip_prepare_dataset": True}, **config,
     )
@@ -62,13 +67,15 @@ def train(tmp_path, attn_implementation, dataset, batch_size, data_collator=None
         trainer.train()
     finally:
         unconfigure_packing()
-    assert len(trainer.losses) == 3 and all(math.isfinite(loss) for loss in trainer.losses)
+    assert len(trainer.losses) == STEPS and all(math.isfinite(loss) for loss in trainer.losses)
     return trainer.losses
 
 
-def unpacked_first_loss(tmp_path, attn_implementation):
+def unpacked_losses(tmp_path, attn_implementation):
     # One document per row, padded, TRL's own collator: the reference every packed path must match.
-    return train(tmp_path, attn_implementation, documents(), len(LENGTHS), packing=False, max_length=None)[0]
+    losses = train(tmp_path, attn_implementation, documents(), len(LENGTHS), packing=False, max_length=None)
+    assert losses[0] - losses[-1] > 0.05, losses  # the steps move the weights: later losses depend on the gradients
+    return losses
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
@@ -79,7 +86,7 @@ def test_packed_with_our_collator_matches_unpacked(tmp_path, attn_implementation
         tmp_path, attn_implementation, packed, len(packed), DataCollatorWithPacking(pad_token_id=0),
         packing=False, padding_free=False, remove_unused_columns=False,
     )
-    assert losses[0] == pytest.approx(unpacked_first_loss(tmp_path, attn_implementation), abs=1e-5)
+    assert losses == pytest.approx(unpacked_losses(tmp_path, attn_implementation), abs=1e-5)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
@@ -88,7 +95,7 @@ def test_packed_with_trl_padding_free_collator_matches_unpacked(tmp_path, attn_i
     # position-id detection (SFTTrainer passes use_cache=False), without the hook.
     packed = pack_dataset(documents(), MAX_LENGTH)
     losses = train(tmp_path, attn_implementation, packed, len(packed), padding_free=True, max_length=None)
-    assert losses[0] == pytest.approx(unpacked_first_loss(tmp_path, attn_implementation), abs=1e-5)
+    assert losses == pytest.approx(unpacked_losses(tmp_path, attn_implementation), abs=1e-5)
 
 
 def test_trl_default_collator_on_packed_rows_is_contaminated(tmp_path):
@@ -96,4 +103,4 @@ def test_trl_default_collator_on_packed_rows_is_contaminated(tmp_path):
     # `seq_lengths` and gives every row an all-ones mask, so packed documents attend to each other.
     packed = pack_dataset(documents(), MAX_LENGTH)
     losses = train(tmp_path, "sdpa", packed, len(packed), packing=False, padding_free=False, max_length=None)
-    assert abs(losses[0] - unpacked_first_loss(tmp_path, "sdpa")) > 1e-3
+    assert abs(losses[0] - unpacked_losses(tmp_path, "sdpa")[0]) > 1e-3

@@ -63,6 +63,57 @@ def test_table_equals_pack_sequences_stats(dataset_file, lengths, capsys):
         assert unit == "ms"
 
 
+@pytest.fixture
+def hand_file(tmp_path):
+    path = tmp_path / "hand.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(n))}) + "\n" for n in (5, 4, 3, 2, 0, 11)))
+    return str(path)
+
+
+def test_hand_computed_split_table(hand_file, capsys):
+    """Documents of 5, 4, 3, 2, 0 and 11 tokens in rows of 8, worked by hand. `split` cuts 11 into 8 + 3 and leaves
+    the empty one out: pieces 5, 4, 3, 2, 8, 3, 25 tokens, lower bound ceil(25 / 8) = 4 rows.
+    bfd (decreasing, best fit): [8] [5, 3] [4, 3] [2]: 25 of 32 slots = 78.125%; fill 8, 8, 7, 2 of 8, sorted
+    0.25, 0.875, 1, 1: p50 (0.875 + 1) / 2 = 0.9375, p90 and p99 1.
+    nf (in order, next fit): [5] [4, 3] [2] [8] [3]: 5 rows, 25 / 40 = 62.5%, gap 5 / 4 - 1 = 25%; fill sorted 0.25,
+    0.375, 0.625, 0.875, 1: p50 0.625, p90 0.875 + 0.6 x 0.125 = 0.95, p99 0.875 + 0.96 x 0.125 = 0.995.
+    Length summary of 0, 2, 3, 4, 5, 11: median 3.5 (prints 4), mean 4.17, p99 5 + 0.95 x 6 = 10.7 (prints 11)."""
+    main(["--dataset", hand_file, "--max_length", "8", "--overflow", "split", "--strategies", "bfd", "nf"])
+    output = capsys.readouterr().out
+    assert output.splitlines()[:2] == [
+        "documents 6, tokens 25; length min 0, median 4, mean 4.2, p99 11, max 11",
+        "packed: 6 sequences into rows of 8 tokens (lower bound 4 bins); --overflow split: 1 split, 1 empty",
+    ]
+    rows = {strategy: cells[:-2] for strategy, cells in table_rows(output).items()}  # less the time and its unit
+    assert rows == {
+        "bfd": ["4", "78.1250%", "21.8750%", "+0.0000%", "93.75%", "100.00%", "100.00%"],
+        "nf": ["5", "62.5000%", "37.5000%", "+25.0000%", "62.50%", "95.00%", "99.50%"],
+    }
+
+
+def test_hand_computed_truncate_and_drop(hand_file, capsys):
+    """The same documents: `truncate` cuts 3 tokens of the 11, pieces 5, 4, 3, 2, 8 (22 tokens, lower bound 3 rows);
+    ffd (decreasing, first fit) packs [8] [5, 3] [4, 2]: 22 / 24 = 91.6667%, fill 0.75, 1, 1. nf packs [5] [4, 3] [2]
+    [8]: 22 / 32 = 68.75%, gap 4 / 3 - 1 = 33.3333%. `drop` leaves the 11 out: pieces 5, 4, 3, 2 (14 tokens, 2 rows);
+    bfd packs [5, 3] [4, 2]: 14 / 16 = 87.5%, fill 0.75, 1: p50 0.875, p90 0.975, p99 0.9975."""
+    main(["--dataset", hand_file, "--max_length", "8", "--overflow", "truncate", "--strategies", "ffd", "nf"])
+    output = capsys.readouterr().out
+    assert output.splitlines()[1] == (
+        "packed: 5 sequences into rows of 8 tokens (lower bound 3 bins); --overflow truncate: 1 truncated "
+        "(3 tokens cut), 1 empty"
+    )
+    assert {strategy: cells[:-2] for strategy, cells in table_rows(output).items()} == {
+        "ffd": ["3", "91.6667%", "8.3333%", "+0.0000%", "100.00%", "100.00%", "100.00%"],
+        "nf": ["4", "68.7500%", "31.2500%", "+33.3333%", "75.00%", "96.25%", "99.62%"],
+    }
+    main(["--dataset", hand_file, "--max_length", "8", "--overflow", "drop", "--strategies", "bfd"])
+    output = capsys.readouterr().out
+    assert output.splitlines()[1] == (
+        "packed: 4 sequences into rows of 8 tokens (lower bound 2 bins); --overflow drop: 1 dropped (11 tokens), 1 empty"
+    )
+    assert table_rows(output)["bfd"][:-2] == ["2", "87.5000%", "12.5000%", "+0.0000%", "87.50%", "97.50%", "99.75%"]
+
+
 def test_length_summary_and_overflow_line(dataset_file, lengths, capsys):
     main(["--dataset_name", dataset_file, "--max_length", str(MAX_LENGTH)])
     summary, packed = capsys.readouterr().out.splitlines()[:2]
