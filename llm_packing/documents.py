@@ -4,12 +4,13 @@
 import os
 
 import datasets
+import numpy as np
 from transformers import AutoTokenizer
 
 from .checks import check_integer
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
 from .errors import PackingValueError
-from .layout import IGNORE_INDEX
+from .layout import IGNORE_INDEX, ignore_masked
 from .pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 
 
@@ -106,7 +107,7 @@ def tokenize_documents(dataset: datasets.Dataset, tokenizer, *, messages_field: 
                                                     return_dict=True, return_assistant_tokens_mask=assistant_only_loss)
             if not assistant_only_loss:
                 return {"input_ids": encoded["input_ids"], "labels": encoded["input_ids"]}
-            labels = [[token if trained else IGNORE_INDEX for token, trained in zip(ids, mask)]
+            labels = [ignore_masked(np.array(ids), np.array(mask)).tolist()
                       for ids, mask in zip(encoded["input_ids"], encoded["assistant_masks"])]
             return {"input_ids": encoded["input_ids"], "labels": labels}
     elif text_field in columns:
