@@ -1,10 +1,12 @@
 """Indexed packed attention masks: `[1, 1, 2, 2, 2, 0]` = document 1 (2 tokens), document 2 (3 tokens), one pad.
 
-Everything here is vectorised over rows and documents. `get_unpad_data` copies the mask to the host once (the only
-device sync) and remembers its last answer, so the per-layer calls of FlashAttention's `_upad_input` within one forward
-cost one sync in total. A plain 0/1 (or bool) mask gets exactly what transformers' own `_get_unpad_data` gives.
+Everything here is vectorised over rows and documents. An integer mask is copied to the host once per forward
+(`host_copy`, the only device sync), shared by the hook's mask builders, `get_unpad_data` (which also remembers its
+last answer, so the per-layer calls of FlashAttention's `_upad_input` reuse it), the varlen layout and the hybrid
+mixers. A plain 0/1 (or bool) mask gets exactly what transformers' own `_get_unpad_data` gives.
 """
 
+import threading
 import weakref
 
 import numpy as np
@@ -105,13 +107,16 @@ def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     cached = _last_unpad.get(attention_mask)
     if cached is not None:
         return cached
-    host = attention_mask.detach().cpu()
-    if host.is_floating_point() and bool(((host != 0) & (host != 1)).any()):
-        raise PackingTypeError(
-            f"`attention_mask` is {host.dtype} with values other than 0 and 1 (max {host.max().item():g}): document "
-            "ids would be rounded. Pass the indexed mask as integers (`attention_mask.long()`)."
-        )
-    ids = host.to(torch.int64).numpy()
+    if _is_integer_2d(attention_mask):
+        ids, _ = host_copy(attention_mask)
+    else:
+        host = attention_mask.detach().cpu()
+        if host.is_floating_point() and bool(((host != 0) & (host != 1)).any()):
+            raise PackingTypeError(
+                f"`attention_mask` is {host.dtype} with values other than 0 and 1 (max {host.max().item():g}): "
+                "document ids would be rounded. Pass the indexed mask as integers (`attention_mask.long()`)."
+            )
+        ids = host.to(torch.int64).numpy()
     if ids.max(initial=0) > 1:
         validate_document_ids(ids)
         indices, first = document_runs(ids)
@@ -176,6 +181,69 @@ def document_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.ones(len(tokens), dtype=bool)
     starts[1:] = (flat[tokens[1:]] != flat[tokens[:-1]]) | (row[1:] != row[:-1])
     return tokens, np.flatnonzero(starts)
+
+
+class _HostCopy(threading.local):
+    """The host copy of the last integer mask (and `position_ids`) seen in this thread, and its document spans. It
+    holds the tensors themselves: while they live, no other tensor can reuse their memory and pass for them."""
+
+    mask = version = positions = positions_version = None
+    ids = host_positions = spans = None
+
+
+_host = _HostCopy()
+
+
+def _same_tensor(held: torch.Tensor | None, tensor: torch.Tensor, version) -> bool:
+    """`tensor` is `held` or a view of the same elements (transformers hands hybrid mixers
+    `attention_mask[:, -length:].contiguous()`, a new view of the mask the builders saw), unmodified since."""
+    if held is None or tensor.numel() == 0:
+        return False
+    same = held is tensor or (
+        held.device == tensor.device and held.dtype == tensor.dtype and held.shape == tensor.shape
+        and held.stride() == tensor.stride() and held.storage_offset() == tensor.storage_offset()
+        and held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    )
+    return same and tensor._version == version
+
+
+def host_copy(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """
+    int64 host copies of an integer 2-D mask and, if given, of `position_ids` broadcast to its shape, made in one
+    device-to-host copy and remembered per thread for the mask's elements and version: the mask builders, the varlen
+    layout and the hybrid mixers' re-batching of one forward share a single host sync.
+
+    Returns `(ids, positions)`, `positions` `None` without `position_ids`.
+    """
+    hit = _same_tensor(_host.mask, attention_mask, _host.version)
+    if hit and position_ids is not None:
+        hit = _same_tensor(_host.positions, position_ids, _host.positions_version)
+    if hit:
+        return _host.ids, _host.host_positions if position_ids is not None else None
+    stacked = attention_mask.detach().long()
+    if position_ids is not None:
+        stacked = torch.stack([stacked, position_ids.detach().to(stacked.device).long().expand_as(stacked)])
+    host = to_host(stacked)
+    ids, positions = (host[0], host[1]) if position_ids is not None else (host, None)
+    _host.mask, _host.version, _host.ids, _host.spans = attention_mask, attention_mask._version, ids, None
+    _host.positions, _host.host_positions = position_ids, positions
+    _host.positions_version = None if position_ids is None else position_ids._version
+    return ids, positions
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """The one device-to-host copy of [`host_copy`]."""
+    return tensor.cpu().numpy()
+
+
+def document_spans(attention_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Flat start position and length (int64) of every document of a validated indexed mask, row by row, computed
+    once per [`host_copy`]."""
+    ids, _ = host_copy(attention_mask)
+    if _host.spans is None:
+        positions, first = document_runs(ids)
+        _host.spans = positions[first], np.diff(np.append(first, len(positions)))
+    return _host.spans
 
 
 def validate_document_ids(ids: np.ndarray) -> None:

@@ -11,8 +11,9 @@ here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path.
 
 Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
 more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
-(transformers' `create_recurrent_attention_mask` passes the 2-D mask through unchanged) and is remembered per thread,
-keyed by that mask tensor: every mixer layer of one forward shares one host sync.
+(transformers' `create_recurrent_attention_mask` passes a view of the 2-D mask) and is remembered per thread, keyed by
+that mask tensor; its document spans come from the host copy the mask builders and the varlen route of the same forward
+made (`masks.host_copy`): one host sync per forward in all.
 
 `MIXERS` is the one table of mixer classes the hook wraps; a hybrid type absent from it stays refused.
 """
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from .errors import ContaminationError, UnsupportedSetupError
-from .masks import _is_integer_2d, document_runs, validate_document_ids
+from .masks import _is_integer_2d, document_runs, document_spans, host_copy, validate_document_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,10 +236,13 @@ class DocumentBatches:
     def from_ids(cls, ids: np.ndarray, device: torch.device) -> "DocumentBatches":
         validate_document_ids(ids)
         tokens, first = document_runs(ids)
-        lengths = np.diff(np.append(first, len(tokens)))
-        begins = tokens[first]  # flat index of each document's first token (documents are contiguous runs)
+        return cls.from_spans(tokens[first], np.diff(np.append(first, len(tokens))), ids.shape, device)
+
+    @classmethod
+    def from_spans(cls, begins: np.ndarray, lengths: np.ndarray, shape, device: torch.device) -> "DocumentBatches":
+        """The layout from each document's flat start and length in a `(batch_size, length)` batch."""
         buckets = np.ceil(np.log2(lengths)).astype(np.int64)
-        pad_index = ids.size
+        pad_index = int(np.prod(shape))
         gather, real, targets = [], [], []
         for bucket in np.unique(buckets)[::-1]:
             chosen = np.flatnonzero(buckets == bucket)
@@ -253,7 +257,7 @@ class DocumentBatches:
             [torch.from_numpy(index).to(device) for index in gather],
             [torch.from_numpy(positions).to(device) for positions in real],
             torch.from_numpy(np.concatenate(targets)).to(device),
-            tuple(ids.shape),
+            tuple(shape),
         )
 
     def run(self, mixer, hidden_states: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
@@ -288,14 +292,20 @@ _last = _LayoutPerThread()
 
 
 def _layout(mask: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:
-    """The layout of an indexed mask, or None for a plain 0/1 mask; one host sync per mask object and version.
-    `from_positions`: `mask` holds `position_ids`, and a document starts at every 0 (padding too becomes documents,
-    whose outputs nothing reads)."""
+    """The layout of an indexed mask, or None for a plain 0/1 mask; built once per mask object and version, from the
+    host copy the mask builders of the forward already made (`masks.host_copy`). `from_positions`: `mask` holds
+    `position_ids`, and a document starts at every 0 (padding too becomes documents, whose outputs nothing reads)."""
     if _last.mask is not None and _last.mask() is mask and _last.version == mask._version:
         return _last.layout
-    ids = mask.detach().cpu().long().numpy()
+    layout = None
     if from_positions:
-        ids = np.cumsum(ids == 0, axis=1)
-    layout = DocumentBatches.from_ids(ids, mask.device) if ids.max(initial=0) > 1 else None
+        ids = np.cumsum(mask.detach().cpu().long().numpy() == 0, axis=1)
+        if ids.max(initial=0) > 1:
+            layout = DocumentBatches.from_ids(ids, mask.device)
+    else:
+        ids, _ = host_copy(mask)
+        if ids.max(initial=0) > 1:
+            validate_document_ids(ids)
+            layout = DocumentBatches.from_spans(*document_spans(mask), ids.shape, mask.device)
     _last.mask, _last.version, _last.layout = weakref.ref(mask), mask._version, layout
     return layout

@@ -26,7 +26,7 @@ import torch
 from . import _compat, mixers, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .layout import MASK_BUILDER_NAMES
-from .masks import _is_integer_2d, document_position_ids, get_unpad_data, validate_document_ids
+from .masks import _is_integer_2d, document_position_ids, get_unpad_data, host_copy, validate_document_ids
 from .model_types import causal_lm_model_type
 
 
@@ -283,26 +283,23 @@ def _refuse_float_document_ids(attention_mask) -> None:
 
 
 def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
-    """One host sync: whether the mask is indexed (some id > 1); if so, validate ids and positions."""
+    """Whether the mask is indexed (some id > 1); if so, validate ids and positions. One host sync per forward, shared
+    with the varlen layout and the mixers (`masks.host_copy`)."""
     checks_positions = position_ids is not None and position_ids.dim() == 2
-    stacked = attention_mask.long()
-    if checks_positions:
-        stacked = torch.stack([stacked, position_ids.to(stacked.device).long().expand_as(stacked)])
-    host = stacked.cpu().numpy()
-    ids = host[0] if checks_positions else host
+    ids, positions = host_copy(attention_mask, position_ids if checks_positions else None)
     if ids.max(initial=0) <= 1:
         if checks_positions:
-            _refuse_restarting_positions(ids, host[1])
+            _refuse_restarting_positions(ids, positions)
         return False
     validate_document_ids(ids)
     if checks_positions:
         expected = document_position_ids(torch.from_numpy(ids)).numpy()
-        wrong = (ids > 0) & (host[1] != expected)
+        wrong = (ids > 0) & (positions != expected)
         if wrong.any():
             row, col = map(int, np.argwhere(wrong)[0])
             raise ContaminationError(
                 f"`position_ids` must restart at 0 for every document of a packed batch; row {row} position {col} "
-                f"has {int(host[1][row, col])} where document {int(ids[row, col])} needs {int(expected[row, col])}. "
+                f"has {int(positions[row, col])} where document {int(ids[row, col])} needs {int(expected[row, col])}. "
                 "Pass the `position_ids` that DataCollatorWithPacking emits."
             )
     return True

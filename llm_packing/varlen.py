@@ -21,7 +21,7 @@ import torch
 
 from .checks import check_choice
 from .errors import UnsupportedSetupError
-from .masks import document_runs
+from .masks import document_spans
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -80,7 +80,7 @@ class PackedAttentionMask:
                 attend only within themselves (transformers' `attention_chunk_size`).
         """
         batch_size, length = attention_mask.shape
-        starts, lengths = _document_spans(attention_mask)
+        starts, lengths = document_spans(attention_mask)
         if chunk is not None:
             starts, lengths = _cut_into_chunks(starts, lengths, chunk)
         order = np.argsort(-lengths, kind="stable")
@@ -110,13 +110,6 @@ class PackedAttentionMask:
             max_seqlen=int(lengths.max(initial=0)),
             window=window,
         )
-
-
-def _document_spans(attention_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Flat start position and length of every document, row by row."""
-    positions, first = document_runs(attention_mask.detach().cpu().numpy())
-    lengths = np.diff(np.append(first, len(positions)))
-    return positions[first].astype(np.int64), lengths.astype(np.int64)
 
 
 def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ import torch
 from tiny_models import packed_batch, tiny_model
 
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
-from llm_packing import varlen
+from llm_packing import masks, varlen
 from llm_packing.config import PackingArguments
 from llm_packing.varlen import PackedAttentionMask
 
@@ -80,6 +80,21 @@ def test_layout_is_built_once_per_forward_not_per_layer(monkeypatch):
         for forward in (1, 2):
             model(**{key: batch[key].clone() for key in INPUTS})
             assert (len(built), len(attended)) == (forward, 4 * forward)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_5_text"])
+def test_one_host_copy_of_the_mask_per_forward(monkeypatch, model_type):
+    """The mask builders (qwen2: a sliding and a full one), the varlen layout and a hybrid's mixers (qwen3_5_text:
+    gated delta nets) share one device-to-host copy of the mask and its positions per forward."""
+    copies = []
+    monkeypatch.setattr(masks, "to_host", lambda tensor, _f=masks.to_host: copies.append(1) or _f(tensor))
+    sliding = {"layer_types": ["sliding_attention", "full_attention"]} if model_type == "qwen2" else {}
+    model = tiny_model(model_type, "sdpa", **sliding)
+    batch = packed_batch()
+    with packing_configured(model), torch.no_grad():
+        for forward in (1, 2):
+            model(**{key: batch[key].clone() for key in INPUTS})
+            assert len(copies) == forward
 
 
 def test_gradients_equal_the_dense_route():
