@@ -139,6 +139,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "qwen3_5_text",
         "qwen3_moe",
         "qwen3_next",
+        "qwen4_exp",
+        "qwen4_exp_text",
         "recurrent_gemma",
         "seed_oss",
         "smollm3",
@@ -151,6 +153,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "youtu",
         "zamba",
         "zamba2",
+        "zaya",
     }
 )
 
@@ -220,6 +223,7 @@ SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
     "gemma4_unified": "its mask builders get `block_sequence_ids` (bidirectional media blocks), which per-document SDPA "
     "does not express",
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "its QSA key indexer reads the dense mask itself"),
     "inkling_text": "its attention adds a learned relative position bias (`position_bias`), which per-document SDPA "
     "does not take",
 }
