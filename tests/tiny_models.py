@@ -147,6 +147,13 @@ ARCH_OVERRIDES: dict[str, dict] = {
     # 2 blocks of 2 tokens per query, fewer than most documents have.
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT, "vision_config": _TINY_VISION},
+    # dots3_note's vision and audio configs size their layer pyramid and adapters for the checkpoint's widths.
+    "dots3_note": {
+        "vision_config": {
+            "mlp_layer_types": ["dense", "dense"], "hidden_size": 64, "adapter_in_dim": 64, "adapter_out_dim": 64,
+        },
+        "audio_config": {"adapter_input_size": 64, "adapter_out_dim": 64, "downsample_hidden_size": 32},
+    },
     # ZAYA's router picks one expert per token (its config refuses more), plus a skip expert.
     "zaya": {"num_experts_per_tok": 1},
     # Griffin: a recurrent block, then local attention over WINDOW tokens (both default to 2048-token scales).
