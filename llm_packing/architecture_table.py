@@ -36,6 +36,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "deepseek_v32",
         "diffllama",
         "dots1",
+        "dots3_note",
         "dots3_note_text",
         "emu3",
         "ernie4_5",
@@ -139,6 +140,8 @@ VERIFIED_MODEL_TYPES = frozenset(
         "qwen3_5_text",
         "qwen3_moe",
         "qwen3_next",
+        "qwen4_exp",
+        "qwen4_exp_text",
         "recurrent_gemma",
         "seed_oss",
         "smollm3",
@@ -151,6 +154,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "youtu",
         "zamba",
         "zamba2",
+        "zaya",
     }
 )
 
@@ -169,6 +173,12 @@ REFUSED_CANDIDATES: dict[str, str] = {
         "compressed attention pools keys over fixed windows of the whole row, across documents: packed logits differ "
         "from separate documents by 3.8e-01 (eager, compress rates 4 and 2)"
     ),
+    "blt": (
+        "byte latent transformer: its global transformer attends over patches of bytes (fixed 4-byte or entropy-cut) "
+        "that straddle document starts, and its hashed byte n-gram embeddings read the bytes before each document "
+        "start, neither of which a per-token document mask can separate: packed logits differ from separate "
+        "documents by 5.2e+00 with the hook (eager, sdpa, static 4-byte patches)"
+    ),
     "doge": "fails the parity matrix on flex_attention: packed logits differ from separate documents by 5.6e-01",
     "bart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
     "bert": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
@@ -180,7 +190,6 @@ REFUSED_CANDIDATES: dict[str, str] = {
     "bloom": "fails the parity matrix: packed logits differ from separate documents by 1.0e-02 (eager)",
     "camembert": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
     "data2vec-text": "fails the parity matrix: packed logits differ from separate documents by 1.4e-02 (eager, sdpa)",
-    "dots3_note": "not verified: no tiny random model of it builds offline in the parity matrix yet",
     "electra": "fails the parity matrix: packed logits differ from separate documents by 1.8e-02 (eager, sdpa)",
     "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
     "gemma4_assistant": _ASSISTANT,
@@ -220,6 +229,7 @@ SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa function",
     "gemma4_unified": "its mask builders get `block_sequence_ids` (bidirectional media blocks), which per-document SDPA "
     "does not express",
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "its QSA key indexer reads the dense mask itself"),
     "inkling_text": "its attention adds a learned relative position bias (`position_bias`), which per-document SDPA "
     "does not take",
 }

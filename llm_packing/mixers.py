@@ -74,6 +74,14 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
     "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
     "bailing_hybrid": ("bailing_hybrid", {"BailingHybridDeltaAttention": _CACHE_PARAMS}),
+    # Gated delta nets, and the per-layer n-gram embeddings (PLE): hashed n-grams of the token ids (reset at EOS) and a
+    # dilated causal conv, so the ids are re-batched with the hidden states.
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), ("qwen4_exp", {
+        "Qwen4ExpTextGatedDeltaNet": _CACHE_PARAMS,
+        "Qwen4ExpTextPLELayer": MixerCall(mask="conv_mask", cache="past_key_values", per_token=("input_ids",)),
+    })),
+    # Compressed convolutional attention: a causal conv over queries and keys, values delayed by one token.
+    "zaya": ("zaya", {"ZayaCCAProjection": MixerCall(mask="conv_mask", cache="past_key_values")}),
     # Short convolutions on the keys, values and residual streams of every layer.
     "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
     "inkling2_text": ("inkling2", {"Inkling2ShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
@@ -260,17 +268,22 @@ class DocumentBatches:
             tuple(shape),
         )
 
-    def run(self, mixer, hidden_states: torch.Tensor, **per_token: torch.Tensor) -> torch.Tensor:
+    def run(self, mixer, hidden_states: torch.Tensor, **per_token: torch.Tensor):
         """`mixer` applied to every document alone; padding positions of the packed layout get zeros. `per_token`
         tensors (`(batch_size, length, ...)`, e.g. `position_ids`) are re-batched alike and passed to `mixer` by name.
-        """
+        A mixer returning a tuple of per-token tensors (zaya's queries, keys and values) gets a tuple back."""
         sources = [self._source(tensor) for tensor in (hidden_states, *per_token.values())]
         outputs = []
         for index, real in zip(self.gather, self.real, strict=True):
             states, *others = (source[index] for source in sources)
             output = mixer(states, **dict(zip(per_token, others, strict=True)))
-            outputs.append(output.reshape(-1, *output.shape[2:]).index_select(0, real))
-        values = torch.cat(outputs)
+            parts = output if isinstance(output, tuple) else (output,)
+            outputs.append([part.reshape(-1, *part.shape[2:]).index_select(0, real) for part in parts])
+        packed = tuple(self._scatter(torch.cat(values)) for values in zip(*outputs, strict=True))
+        return packed if isinstance(output, tuple) else packed[0]
+
+    def _scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """The real tokens' `values`, in the groups' order, put back into the packed `(batch_size, length, ...)`."""
         batch_size, length = self.shape
         packed = values.new_zeros(batch_size * length, *values.shape[1:]).index_copy(0, self.targets, values)
         return packed.view(batch_size, length, *values.shape[1:])

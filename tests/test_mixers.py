@@ -30,6 +30,8 @@ MIXER_KINDS = {
     "kimi delta attention": ("bailing_hybrid", "sdpa"),
     "short conv on keys and values": ("inkling_text", "eager"),
     "rg-lru, reset by position_ids": ("recurrent_gemma", "sdpa"),
+    "compressed convolutional attention": ("zaya", "sdpa"),
+    "gated delta net and n-gram embeddings": ("qwen4_exp_text", "sdpa"),
 }
 
 
@@ -48,7 +50,7 @@ def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend
     not the mixers' conv and recurrent state. Measured max logit differences: qwen3_5_text 4.1e-2, nemotron_h 4.4e-1,
     mamba2 2.8, jamba 4.4e-3, minimax 5.0e-2, lfm2 6.1e-4 (its 3-token conv reaches two tokens into the next
     document), bailing_hybrid 6.6e-1, inkling_text 3.5e-4, recurrent_gemma 1.3e-1 (its RG-LRU resets where
-    `position_ids` is 0, its conv does not)."""
+    `position_ids` is 0, its conv does not), zaya 4.3e-1, qwen4_exp_text 3.2e-2."""
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE
@@ -82,6 +84,19 @@ def test_mixer_missing_from_the_table_is_refused(monkeypatch):
     with pytest.raises(UnsupportedSetupError, match="Qwen3_5GatedDeltaNet.*does not isolate"):
         configure_packing(model)
     assert not mixers._originals
+
+
+@pytest.mark.parametrize("mixer", ["Qwen4ExpTextPLELayer", "Qwen4ExpTextGatedDeltaNet"])
+def test_every_mixer_of_a_layer_is_needed(mixer, monkeypatch):
+    """Negative control per mixer kind of a type with two: Qwen4Exp's n-gram embeddings (hashed token n-grams and a
+    dilated conv) leak on their own when the gated delta net is isolated, and the other way round."""
+    model = tiny_model("qwen4_exp_text")
+    batch = packed_batch()
+    with packing_configured(model):
+        cls = next(cls for cls in mixers.mixer_classes("qwen4_exp_text") if cls.__name__ == mixer)
+        monkeypatch.setattr(cls, "forward", mixers._originals[cls])
+        logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert logit_difference > 10 * TOLERANCE
 
 
 def test_verify_packing_catches_a_mixer_leak():

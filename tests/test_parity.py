@@ -181,6 +181,15 @@ def test_sparse_key_indexer_is_selective(model_type):
     assert (_forward(model, input_ids=input_ids) - _forward(every_key, input_ids=input_ids)).abs().max() > 1e-3
 
 
+def test_qsa_key_indexer_is_selective():
+    """qwen4_exp_text's tiny indexer keeps 2 blocks of 2 keys per query, fewer than the longer documents have, so a
+    document mask it ignored would show in the matrix: a budget covering every key changes the logits."""
+    model = tiny_model("qwen4_exp_text", "eager")
+    every_key = tiny_model("qwen4_exp_text", "eager", indexer_budget=64)
+    input_ids = packed_batch()["input_ids"][1:, :9]
+    assert (_forward(model, input_ids=input_ids) - _forward(every_key, input_ids=input_ids)).abs().max() > 1e-3
+
+
 def packed_batch_lengths():
     return [[length for _, length in spans] for spans in packed_batch()["documents"]]
 

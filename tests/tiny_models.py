@@ -69,6 +69,11 @@ _QWEN3_5_TEXT = {
 _TINY_EXPERTS = {
     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
 }
+_QWEN4_EXP_TEXT = {
+    "layer_types": ["linear_attention", "indexed_attention"], "ple_layer_ids": [1], "ple_embed_dim": 64,
+    "ngram_vocab_size_base": 1000, "hc_lowrank": 16, "eos_token_id": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+    "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2,
+}
 _TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
@@ -138,6 +143,19 @@ ARCH_OVERRIDES: dict[str, dict] = {
         "attention_head_dim": 32,
     },
     "minimax": {"block_size": 4},
+    # Qwen4Exp: a gated delta net with n-gram embeddings (PLE) in layer 0, then indexed attention whose key indexer keeps
+    # 2 blocks of 2 tokens per query, fewer than most documents have.
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT, "vision_config": _TINY_VISION},
+    # dots3_note's vision and audio configs size their layer pyramid and adapters for the checkpoint's widths.
+    "dots3_note": {
+        "vision_config": {
+            "mlp_layer_types": ["dense", "dense"], "hidden_size": 64, "adapter_in_dim": 64, "adapter_out_dim": 64,
+        },
+        "audio_config": {"adapter_input_size": 64, "adapter_out_dim": 64, "downsample_hidden_size": 32},
+    },
+    # ZAYA's router picks one expert per token (its config refuses more), plus a skip expert.
+    "zaya": {"num_experts_per_tok": 1},
     # Griffin: a recurrent block, then local attention over WINDOW tokens (both default to 2048-token scales).
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW},
     # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
