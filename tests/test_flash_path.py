@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from tiny_models import packed_batch, tiny_model
+from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 from transformers import masking_utils, modeling_utils
 from transformers import modeling_flash_attention_utils as flash_utils
 from transformers.integrations import flash_attention, hub_kernels, msa_attention
@@ -31,6 +31,7 @@ from llm_packing.architectures import (
     backend_available,
     supported_model_types,
 )
+from llm_packing.collator import DataCollatorWithPacking
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.patch import packing_configured
 
@@ -291,6 +292,43 @@ def _assert_no_flash_attention(build, model_type, backend):
     assert substitute != backend
     with pytest.raises(UnsupportedSetupError, match=f"'{substitute}'"), packing_configured(model):
         pass
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2", "gpt_oss"])  # plain, sliding, softcap, sinks
+def test_collator_flash_kwargs_batch_equals_separate_documents(flash_model, model_type):
+    """`DataCollatorWithPacking(return_flash_attn_kwargs=True)` output (no mask; `cu_seq_lens_q/k` over the flattened
+    rows, each row's padding one segment) run as it is through the model's FlashAttention path, without the hook: each
+    document's logits equal the document run alone."""
+    batch = packed_batch()
+    features = [
+        {"input_ids": ids[: sum(length for _, length in spans)].tolist(), "seq_lengths": [n for _, n in spans]}
+        for ids, spans in zip(batch["input_ids"], batch["documents"], strict=True)
+    ]
+    collated = DataCollatorWithPacking(return_flash_attn_kwargs=True)(features)
+    assert "attention_mask" not in collated and torch.equal(collated["input_ids"][:, :16], batch["input_ids"][:, :16])
+    model = flash_model(model_type, "flash_attention_2")
+    separate = _separate_logits(model, batch)
+    reference_varlen.calls.clear()
+    with torch.no_grad():
+        logits = model(**{key: value for key, value in collated.items() if key != "labels"}, use_cache=False).logits
+    # Row 0's two pad tokens are one segment (16 -> 18); row 1 has no padding.
+    expected = [0, 5, 6, 13, 16, 18, 27, 29, 30, 36]
+    assert reference_varlen.calls == [expected] * model.config.num_hidden_layers
+    assert _max_difference(logits, separate) <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_all_padding_row_on_the_flash_path(flash_model, model_type):
+    """A row without any document in an indexed mask gets no segment: the other rows stay exact, nothing is NaN."""
+    batch = packed_batch(document_lengths=(PACKED_DOCUMENT_LENGTHS[0], (), PACKED_DOCUMENT_LENGTHS[1]))
+    model = flash_model(model_type, "flash_attention_2")
+    separate = _separate_logits(model, batch)
+    with packing_configured(model):
+        logits = _packed_logits(model, batch)
+    # The empty middle row adds no segment: the per-document cu_seqlens of the batch without it.
+    assert reference_varlen.calls[-1] == PER_DOCUMENT_CU_SEQLENS
+    assert not logits.isnan().any()
+    assert _max_difference(logits, separate) <= TOLERANCE
 
 
 def test_flash_path_without_packing_merges_documents(flash_model):

@@ -14,7 +14,7 @@ The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `
 
 import pytest
 import torch
-from tiny_models import WINDOW, packed_batch, tiny_model
+from tiny_models import PACKED_DOCUMENT_LENGTHS, WINDOW, packed_batch, tiny_model
 from transformers import masking_utils
 
 from llm_packing import varlen
@@ -147,6 +147,32 @@ def test_model_loss_equals_mean_of_separate_document_losses():
         packed = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}).loss
     separate = torch.cat([losses for _, losses in _separate(model, batch).values()])
     assert abs(packed.item() - separate.mean().item()) <= TOLERANCE
+
+
+@pytest.mark.parametrize(("model_type", "backend", "route"), [
+    ("llama", "eager", "auto"), ("llama", "sdpa", "varlen"), ("llama", "sdpa", "dense"),
+    pytest.param("llama", "flex_attention", "auto", marks=pytest.mark.slow),  # a compile for the new batch shape
+    ("qwen2", "sdpa", "dense"), ("gemma2", "eager", "auto"),
+])
+def test_all_padding_row_leaves_the_other_rows_exact(model_type, backend, route, static_flex_compile):
+    """A row without any document (indexed mask all 0, as a batch padded to a fixed number of rows has) between two
+    packed rows: the other rows stay exact, no logit or gradient is NaN, and the loss is that of the batch without
+    the row. (DataCollatorWithPacking refuses an empty feature, so the batch is built by `packed_batch`.)"""
+    model = tiny_model(model_type, backend)
+    batch = packed_batch(document_lengths=(PACKED_DOCUMENT_LENGTHS[0], (), PACKED_DOCUMENT_LENGTHS[1]))
+    assert batch["attention_mask"][1].eq(0).all() and batch["labels"][1].eq(-100).all()
+    keys = ("input_ids", "attention_mask", "position_ids", "labels")
+    with packing_configured(model, attention_route=route), torch.set_grad_enabled(backend != "flex_attention"):
+        output = model(**{key: batch[key] for key in keys}, use_cache=False)
+        if output.loss.requires_grad:  # flex_attention has no backward on CPU
+            output.loss.backward()
+        with torch.no_grad():
+            without_row = model(**{key: batch[key][[0, 2]] for key in keys}, use_cache=False).loss
+        logit_difference, loss_difference = _max_differences(model, batch, output.logits.detach())
+    assert not output.logits.isnan().any()
+    assert all(parameter.grad.isfinite().all() for parameter in model.parameters() if parameter.grad is not None)
+    assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE, (logit_difference, loss_difference)
+    assert abs(output.loss.item() - without_row.item()) <= TOLERANCE
 
 
 @pytest.mark.parametrize(("model_type", "backend"), [("llama", "sdpa"), ("qwen2", "eager"), ("gemma2", "eager")])

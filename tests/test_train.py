@@ -17,9 +17,11 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 import torch
 
-from llm_packing.documents import load_documents
+from transformers import set_seed
+
+from llm_packing.documents import load_documents, load_tokenizer, tokenize_documents
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
-from llm_packing.train import main, parse_args
+from llm_packing.train import load_model, main, parse_args
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,16 +139,43 @@ def first_step_loss(tmp_path, **changes) -> float:
     return main(["--config", recipe]).training_loss
 
 
+def independent_unpacked_loss(tmp_path, attn_implementation) -> float:
+    """The recipe's model and documents without pack_dataset or DataCollatorWithPacking: each document cut into
+    `max_length` pieces (as `overflow: split` does), one piece per right-padded row with a 0/1 mask, through
+    transformers' own loss: what the first training step reports before it updates the weights."""
+    recipe = write_recipe(tmp_path, max_samples=4, attn_implementation=attn_implementation)
+    script_args, training_args, model_args, _ = parse_args(["--config", recipe, "--output_dir", str(tmp_path / "ref")])
+    set_seed(training_args.seed)  # as train() does before building the model: the same random weights
+    tokenizer = load_tokenizer(script_args.tokenizer_name_or_path)
+    model = load_model(script_args, model_args, training_args, tokenizer)
+    documents = tokenize_documents(load_documents(script_args.dataset_name, max_samples=script_args.max_samples),
+                                   tokenizer, assistant_only_loss=training_args.assistant_only_loss)
+    length = training_args.max_length
+    pieces = [(ids[start : start + length], labels[start : start + length])
+              for ids, labels in zip(documents["input_ids"], documents["labels"], strict=True)
+              for start in range(0, len(ids), length)]
+    assert len(pieces) > len(documents)  # the split policy is exercised
+    width = max(len(ids) for ids, _ in pieces)
+    padding = [width - len(ids) for ids, _ in pieces]
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * pad for (ids, _), pad in zip(pieces, padding)])
+    labels = torch.tensor([piece_labels + [-100] * pad for (_, piece_labels), pad in zip(pieces, padding)])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * pad for (ids, _), pad in zip(pieces, padding)])
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.item()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_packed_and_unpacked_first_step_loss_match(tmp_path, attn_implementation):
+    reference = independent_unpacked_loss(tmp_path, attn_implementation)
     unpacked = first_step_loss(tmp_path, block_diag_attn=False, attn_implementation=attn_implementation)
     packed = first_step_loss(tmp_path, block_diag_attn=True, attn_implementation=attn_implementation)
     padding_free = first_step_loss(tmp_path, block_diag_attn=True, padding_free=True,
                                    attn_implementation=attn_implementation)
-    assert unpacked > 9  # a random 32k-vocab model: about ln(32000) = 10.4
-    assert packed == pytest.approx(unpacked, abs=1e-5)
-    assert padding_free == pytest.approx(unpacked, abs=1e-5)
+    assert reference > 9  # a random 32k-vocab model: about ln(32000) = 10.4
+    assert unpacked == pytest.approx(reference, abs=1e-5)
+    assert packed == pytest.approx(reference, abs=1e-5)
+    assert padding_free == pytest.approx(reference, abs=1e-5)
 
 
 def logged_losses(output: str) -> list[float]:
