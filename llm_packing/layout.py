@@ -121,6 +121,8 @@ def invalid_tokens(values: np.ndarray, name: str) -> np.ndarray:
 
 def check_tokens(values: np.ndarray, name: str, where: str) -> None:
     """Raise [`token_error`] for the first value of `values` (the column `name`) that a packed row cannot hold."""
+    if values.size == 0 or (values.min() >= 0 and values.max() <= INT32_MAX):  # the common case, without a mask
+        return
     wrong = invalid_tokens(values, name)
     if wrong.any():
         raise token_error(name, where, values[np.argmax(wrong)].item())
