@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import PackingTypeError, PackingValueError
-from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, token_error
+from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, invalid_tokens, token_error
 
 
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
@@ -127,7 +127,7 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
     row_ends = np.cumsum(lengths)
     for first, last in row_windows(lengths):
         values = flat_values(column, first, last)
-        wrong = (values < 0) & (values != IGNORE_INDEX)
+        wrong = invalid_tokens(values, name)
         if wrong.any():
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))
