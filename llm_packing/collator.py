@@ -19,7 +19,7 @@ from transformers.data.data_collator import DataCollatorMixin
 from .binpack import pack_sequences
 from .checks import check_integer
 from .errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
-from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, position_ids
+from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, length_error, position_ids
 
 
 @dataclass
@@ -199,10 +199,7 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
         return input_ids, input_ids.copy()
     labels = _integers(feature["labels"], "labels", index)
     if len(labels) != len(input_ids):
-        raise PackingValueError(
-            f"Feature {index} has {len(labels)} 'labels' but {len(input_ids)} 'input_ids'. Every token needs one "
-            "label (-100 for tokens not trained on); fix that example's preprocessing."
-        )
+        raise length_error("labels", f"'labels' of feature {index}", len(labels), len(input_ids))
     return input_ids, labels
 
 
