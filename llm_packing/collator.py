@@ -34,8 +34,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
     Args:
         pad_token_id (`int`, *optional*, defaults to `0`):
             Token id used for padding; padding is never attended to nor trained on, but it is embedded, so it must be
-            >= 0. Likewise `input_ids` must be >= 0 and `labels` >= 0 or -100 (anything else is refused; ids at or
-            above the vocabulary size are left for the model to refuse, as the collator does not know the vocabulary).
+            >= 0. Likewise `input_ids` must be in [0, 2**31 - 1], as in `pack_dataset`'s int32 columns, and `labels`
+            too or -100 (anything else is refused; ids at or above the vocabulary size are left for the model to
+            refuse, as the collator does not know the vocabulary).
         max_length (`int`, *optional*):
             Longest row allowed. Raw examples are packed into rows of at most this many tokens.
         pad_to_multiple_of (`int`, *optional*):
