@@ -19,7 +19,7 @@ from transformers.data.data_collator import DataCollatorMixin
 from .binpack import pack_sequences
 from .checks import check_integer
 from .errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
-from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, position_ids
+from .layout import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, length_error, position_ids
 
 
 @dataclass
@@ -34,8 +34,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
     Args:
         pad_token_id (`int`, *optional*, defaults to `0`):
             Token id used for padding; padding is never attended to nor trained on, but it is embedded, so it must be
-            >= 0. Likewise `input_ids` must be >= 0 and `labels` >= 0 or -100 (anything else is refused; ids at or
-            above the vocabulary size are left for the model to refuse, as the collator does not know the vocabulary).
+            >= 0. Likewise `input_ids` must be in [0, 2**31 - 1], as in `pack_dataset`'s int32 columns, and `labels`
+            too or -100 (anything else is refused; ids at or above the vocabulary size are left for the model to
+            refuse, as the collator does not know the vocabulary).
         max_length (`int`, *optional*):
             Longest row allowed. Raw examples are packed into rows of at most this many tokens.
         pad_to_multiple_of (`int`, *optional*):
@@ -199,10 +200,7 @@ def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarra
         return input_ids, input_ids.copy()
     labels = _integers(feature["labels"], "labels", index)
     if len(labels) != len(input_ids):
-        raise PackingValueError(
-            f"Feature {index} has {len(labels)} 'labels' but {len(input_ids)} 'input_ids'. Every token needs one "
-            "label (-100 for tokens not trained on); fix that example's preprocessing."
-        )
+        raise length_error("labels", f"'labels' of feature {index}", len(labels), len(input_ids))
     return input_ids, labels
 
 

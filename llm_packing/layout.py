@@ -111,6 +111,25 @@ def flat_integers(values, where: str, *, booleans: bool = False) -> np.ndarray:
     return array
 
 
+def length_error(name: str, where: str, count: int, expected: int) -> PackingValueError:
+    """
+    The error for a `labels` or mask column with another number of values than `input_ids`; `where` names the
+    column and the example or row.
+
+    Example:
+    ```python
+    >>> str(length_error("labels", "'labels' of feature 1", 2, 3)).split(".")[0]
+    "'labels' of feature 1 has 2 values, but 'input_ids' has 3"
+
+    ```
+    """
+    meaning = f" ({IGNORE_INDEX} for a token not trained on)" if name == "labels" else ""
+    return PackingValueError(
+        f"{where} has {count} values, but 'input_ids' has {expected}. Every token needs exactly one {name!r} "
+        f"entry{meaning}; fix that example's preprocessing."
+    )
+
+
 def invalid_tokens(values: np.ndarray, name: str) -> np.ndarray:
     """Which `values` of the column `name` (`input_ids` or `labels`) a packed row cannot hold, as a boolean array."""
     wrong = (values < 0) | (values > INT32_MAX)
@@ -121,6 +140,8 @@ def invalid_tokens(values: np.ndarray, name: str) -> np.ndarray:
 
 def check_tokens(values: np.ndarray, name: str, where: str) -> None:
     """Raise [`token_error`] for the first value of `values` (the column `name`) that a packed row cannot hold."""
+    if values.size == 0 or (values.min() >= 0 and values.max() <= INT32_MAX):  # the common case, without a mask
+        return
     wrong = invalid_tokens(values, name)
     if wrong.any():
         raise token_error(name, where, values[np.argmax(wrong)].item())

@@ -17,7 +17,15 @@ import numpy as np
 from .binpack import pack_sequences, seed_from_components
 from .checks import check_integer
 from .errors import PackingValueError
-from .layout import MASK_COLUMNS, check_tokens, flat_integers, ignore_document_starts, ignore_masked, position_ids
+from .layout import (
+    MASK_COLUMNS,
+    check_tokens,
+    flat_integers,
+    ignore_document_starts,
+    ignore_masked,
+    length_error,
+    position_ids,
+)
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .stats import PackingStats
 
@@ -162,10 +170,7 @@ def _integers(values, name: str, row: int, expected_length: int | None = None) -
     where = f"{name!r} of example {row}"
     array = flat_integers(values, where, booleans=name in MASK_COLUMNS)
     if expected_length is not None and len(array) != expected_length:
-        raise PackingValueError(
-            f"{where} has {len(array)} values but 'input_ids' has {expected_length}. Every token needs exactly one "
-            f"{name!r} entry; fix that example's preprocessing."
-        )
+        raise length_error(name, where, len(array), expected_length)
     if name not in MASK_COLUMNS:
         # The packed columns are int32, as in map-style packing: a value outside would wrap silently.
         check_tokens(array, name, where)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import PackingTypeError, PackingValueError
-from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, token_error
+from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, invalid_tokens, length_error, token_error
 
 
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
@@ -101,10 +101,7 @@ def _checked_lengths(column: pa.ChunkedArray, name: str, lengths: np.ndarray | N
     column_lengths = pc.list_value_length(column).to_numpy().astype(np.int64)
     if lengths is not None and not np.array_equal(column_lengths, lengths):
         row = int(np.flatnonzero(column_lengths != lengths)[0])
-        raise PackingValueError(
-            f"Column {name!r} has {column_lengths[row]} values in row {row}, but 'input_ids' has {lengths[row]}. "
-            f"Every token needs exactly one {name!r} entry; fix that row's preprocessing."
-        )
+        raise length_error(name, f"Column {name!r} in row {row}", column_lengths[row], lengths[row])
     return column_lengths
 
 
@@ -127,7 +124,7 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
     row_ends = np.cumsum(lengths)
     for first, last in row_windows(lengths):
         values = flat_values(column, first, last)
-        wrong = (values < 0) & (values != IGNORE_INDEX)
+        wrong = invalid_tokens(values, name)
         if wrong.any():
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))

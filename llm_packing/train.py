@@ -39,7 +39,6 @@ from .config import PackingArguments  # noqa: E402
 from .dataset import pack_dataset  # noqa: E402
 from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents  # noqa: E402
 from .errors import PackingValueError, UnsupportedSetupError  # noqa: E402
-from .overflow import check_max_length  # noqa: E402
 from .patch import packing_configured  # noqa: E402
 from .pretrained import BUNDLED_MODEL_NAME, load_bundled_model  # noqa: E402
 from .sample_reply import sample_reply  # noqa: E402
@@ -258,7 +257,8 @@ def _check_supported(script_args, training_args, model_args) -> None:
             "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
             "`block_diag_attn: true` (the default) to pack with per-document attention."
         )
-    check_max_length(training_args.max_length)
+    if training_args.max_length is None:
+        raise PackingValueError("`max_length` must be a positive integer (tokens per packed row), got None.")
     if (model_args.model_name_or_path is None) == (script_args.model_config is None):
         raise PackingValueError(
             f"Give exactly one of `model_name_or_path` (got {model_args.model_name_or_path!r}) and `model_config` "

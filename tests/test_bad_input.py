@@ -8,7 +8,7 @@ repeated here; this file adds the missing ones and runs them over every containe
 Token ids: `pack_dataset` and the collator refuse negative `input_ids` (they index the embedding matrix; on GPU a
 negative id is a device-side assert, not an exception) and `labels` other than -100 below 0 (the loss's `ignore_index`
 is -100 only). Ids at or above the vocabulary size cannot be checked without the model's vocabulary; the embedding
-layer refuses them, and `pack_dataset` refuses ids that do not fit its int32 columns.
+layer refuses them, and `pack_dataset` and the collator refuse ids that do not fit int32 (`pack_dataset`'s columns).
 """
 
 import json

@@ -157,7 +157,7 @@ class TestMismatches:
         assert batch["attention_mask"].tolist() == [[1, 1]]
 
     def test_labels_length_mismatch(self):
-        with pytest.raises(PackingValueError, match=r"Feature 1 has 2 'labels' but 3 'input_ids'"):
+        with pytest.raises(PackingValueError, match=r"'labels' of feature 1 has 2 values, but 'input_ids' has 3"):
             DataCollatorWithPacking()([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}])
 
     def test_mixed_packed_and_raw(self):

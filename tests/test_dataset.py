@@ -163,7 +163,7 @@ class TestValidation:
         [
             ({"text": ["a"]}, {}, PackingValueError, r"no 'input_ids' column \(columns: \['text'\]\)"),
             ({"input_ids": [[1], [1, 2]], "labels": [[1], [1]]}, {}, PackingValueError,
-             r"'labels' has 1 values in row 1, but 'input_ids' has 2"),
+             r"'labels' in row 1 has 1 values, but 'input_ids' has 2"),
             ({"input_ids": [[1.5]]}, {}, PackingTypeError, r"'input_ids' must hold lists of integers"),
             ({"input_ids": [[-100, 1]]}, {}, PackingValueError,
              r"Column 'input_ids' holds -100: token ids .* \[0, 2147483647\]"),
