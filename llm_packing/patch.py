@@ -287,7 +287,9 @@ def _refuse_float_document_ids(attention_mask) -> None:
 
 def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
     """One host sync: whether the mask is indexed (some id > 1); if so, validate ids and positions."""
-    checks_positions = position_ids is not None and position_ids.dim() == 2
+    # While decoding with a KV cache, `position_ids` cover only the new tokens (generation, e.g. GRPO's rollouts).
+    checks_positions = (position_ids is not None and position_ids.dim() == 2
+                        and position_ids.shape[-1] == attention_mask.shape[-1])
     stacked = attention_mask.long()
     if checks_positions:
         stacked = torch.stack([stacked, position_ids.to(stacked.device).long().expand_as(stacked)])
