@@ -285,7 +285,9 @@ def _refuse_float_document_ids(attention_mask) -> None:
 def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
     """Whether the mask is indexed (some id > 1); if so, validate ids and positions. One host sync per forward, shared
     with the varlen layout and the mixers (`masks.host_copy`)."""
-    checks_positions = position_ids is not None and position_ids.dim() == 2
+    # While decoding with a KV cache, `position_ids` cover only the new tokens (generation, e.g. GRPO's rollouts).
+    checks_positions = (position_ids is not None and position_ids.dim() == 2
+                        and position_ids.shape[-1] == attention_mask.shape[-1])
     ids, positions = host_copy(attention_mask, position_ids if checks_positions else None)
     if ids.max(initial=0) <= 1:
         if checks_positions:

@@ -112,8 +112,9 @@ class ScriptArguments:
     )
     trainer: str = field(
         default="sft",
-        metadata={"help": "sft (packed documents), or dpo: TRL's DPOTrainer with its forwards packed, taking "
-                          "DPOConfig keys (see llm_packing.train_preference).", "choices": ["sft", "dpo"]},
+        metadata={"help": "sft (packed documents), or dpo / grpo: TRL's DPOTrainer / GRPOTrainer with their forwards "
+                          "packed, taking DPOConfig / GRPOConfig keys (see llm_packing.train_preference).",
+                  "choices": ["sft", "dpo", "grpo"]},
     )
 
     def __post_init__(self):
@@ -257,7 +258,7 @@ def _check_supported(script_args, training_args, model_args) -> None:
             "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
             "`block_diag_attn: true` (the default) to pack with per-document attention."
         )
-    if training_args.max_length is None:
+    if getattr(training_args, "max_length", 0) is None:  # GRPOConfig has no max_length: one packed row per batch
         raise PackingValueError("`max_length` must be a positive integer (tokens per packed row), got None.")
     if (model_args.model_name_or_path is None) == (script_args.model_config is None):
         raise PackingValueError(

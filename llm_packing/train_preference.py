@@ -1,9 +1,11 @@
-"""The `trainer: dpo` flow of `python -m llm_packing.train`: TRL's DPOTrainer with its forwards packed.
+"""The `trainer: dpo` and `trainer: grpo` flows of `python -m llm_packing.train`: TRL's trainers, forwards packed.
 
-A recipe with `trainer: dpo` takes TRL's `DPOConfig` keys instead of `SFTConfig`'s. Data: `dataset_name: chitchat`
-gives the preference pairs of [`~llm_packing.demo_data.load_chitchat_preference_pairs`] (the real reply chosen,
-another conversation's reply rejected); any other dataset needs TRL's `prompt`/`chosen`/`rejected` columns. The model
-trains with [`~llm_packing.preference.PackedDPOTrainer`], which configures and verifies the hook.
+A recipe with `trainer: dpo` (or `grpo`) takes TRL's `DPOConfig` (`GRPOConfig`) keys instead of `SFTConfig`'s. Data:
+`dataset_name: chitchat` gives the preference pairs of [`~llm_packing.demo_data.load_chitchat_preference_pairs`]
+(the real reply chosen, another conversation's reply rejected), and for GRPO their prompts; any other dataset needs
+TRL's `prompt`/`chosen`/`rejected` (`prompt`) columns. The model trains with
+[`~llm_packing.preference.PackedDPOTrainer`] or [`~llm_packing.grpo.PackedGRPOTrainer`], which configure and verify
+the hook. GRPO's reward is [`reply_length_reward`], which runs offline.
 """
 
 import copy
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 from transformers import set_seed
-from trl import DPOConfig, get_peft_config
+from trl import DPOConfig, GRPOConfig, get_peft_config
 
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_preference_pairs
 from .documents import load_documents, load_tokenizer
@@ -30,11 +32,28 @@ class PackedDPOConfig(DPOConfig):
 
 
 # `trainer` recipe key -> TRL config dataclass whose keys the recipe takes.
-TRAINING_CONFIGS = {"dpo": PackedDPOConfig}
+TRAINING_CONFIGS = {"dpo": PackedDPOConfig, "grpo": GRPOConfig}
+REPLY_WORDS = 12
+
+
+def reply_length_reward(completions, **kwargs) -> list[float]:
+    """
+    GRPO reward of the demo recipe: 0 for a reply of `REPLY_WORDS` words, down to -1 and below as it strays.
+
+    Example:
+    ```python
+    >>> reply_length_reward([[{"role": "assistant", "content": "hi"}], "one two three four five six"])
+    [-0.9166666666666666, -0.5]
+
+    ```
+    """
+    texts = [completion[-1]["content"] if isinstance(completion, list) else completion for completion in completions]
+    return [-abs(len(text.split()) - REPLY_WORDS) / REPLY_WORDS for text in texts]
 
 
 def train_preference(script_args, training_args, model_args, packing_args):
-    """Train with `PackedDPOTrainer` as the parsed recipe says; returns the `TrainOutput`."""
+    """Train with `PackedDPOTrainer` or `PackedGRPOTrainer` as the parsed recipe says; returns the `TrainOutput`."""
+    from .grpo import PackedGRPOTrainer
     from .preference import PackedDPOTrainer
     from .train import _setup_logging, load_model
 
@@ -49,14 +68,21 @@ def train_preference(script_args, training_args, model_args, packing_args):
         pairs = load_documents(script_args.dataset_name, config=script_args.dataset_config,
                                split=script_args.dataset_train_split, max_samples=script_args.max_samples)
     peft_config = get_peft_config(model_args)
-    # PEFT's reference is the model with its adapter disabled; a full fine-tune needs a frozen copy.
-    ref_model = None if peft_config is not None or training_args.precompute_ref_log_probs else copy.deepcopy(model)
-    logger.info("DPO on %d preference pairs; attention backend %r; forwards packed into rows of %s tokens",
-                len(pairs), model.config._attn_implementation, training_args.max_length)
+    common = {"args": training_args, "train_dataset": pairs, "processing_class": tokenizer,
+              "peft_config": peft_config, "verify_packing": packing_args.verify_packing}
     try:
-        trainer = PackedDPOTrainer(model, ref_model, args=training_args, train_dataset=pairs,
-                                   processing_class=tokenizer, peft_config=peft_config,
-                                   verify_packing=packing_args.verify_packing)
+        if script_args.trainer == "grpo":
+            pairs = pairs.select_columns(["prompt"])
+            logger.info("GRPO on %d prompts; attention backend %r; log-prob forwards packed, one row per batch",
+                        len(pairs), model.config._attn_implementation)
+            trainer = PackedGRPOTrainer(model, reply_length_reward, **{**common, "train_dataset": pairs})
+        else:
+            # PEFT's reference is the model with its adapter disabled; a full fine-tune needs a frozen copy.
+            precomputed = training_args.precompute_ref_log_probs
+            ref_model = None if peft_config is not None or precomputed else copy.deepcopy(model)
+            logger.info("DPO on %d preference pairs; attention backend %r; forwards packed into rows of %s tokens",
+                        len(pairs), model.config._attn_implementation, training_args.max_length)
+            trainer = PackedDPOTrainer(model, ref_model, **common)
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model(training_args.output_dir)
     finally:

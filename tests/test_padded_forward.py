@@ -115,3 +115,15 @@ def test_bad_batches_are_refused(models):
         packed(**call, output_router_logits=True)
     with pytest.raises(UnsupportedSetupError, match="add_fused_lm_head"):
         pack_fused_lm_head(tiny_model("llama"))
+
+
+def test_generation_with_a_padded_batch_is_unchanged_while_packing_is_configured(models):
+    packed, padded = models
+    pack_fused_lm_head(packed)
+    input_ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    # With a KV cache, the decoding steps pass `position_ids` for the new token only (GRPO's rollouts do this).
+    kwargs = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "use_cache": True}
+    mine = packed.generate(input_ids, **kwargs)
+    unconfigure_packing()
+    assert torch.equal(mine, padded.generate(input_ids, **kwargs))
