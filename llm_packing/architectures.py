@@ -8,7 +8,7 @@ hand-kept table), the architectures the parity matrix (`tests/test_parity.py`) p
 separate-document logits within 1e-5 in float32. Anything else is refused with the reason in `REFUSED_MODEL_TYPES`
 (fail closed: a new architecture in a newer transformers is refused until the matrix covers it).
 
-Regenerate the support table with `python -m llm_packing.architectures --markdown > docs/support_matrix.md`.
+Regenerate the support table with `python -m llm_packing.support_matrix > docs/support_matrix.md`.
 """
 
 import functools
@@ -221,13 +221,4 @@ def backend_available(model_type: str, backend: str) -> bool:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Print the architectures llm_packing supports.")
-    parser.add_argument("--markdown", action="store_true", help="print the support table in Markdown")
-    if parser.parse_args().markdown:
-        from .support_matrix import support_matrix_markdown
-
-        print(support_matrix_markdown(), end="")
-    else:
-        print("\n".join(supported_model_types()))
+    print("\n".join(supported_model_types()))

@@ -123,5 +123,5 @@ def test_committed_support_matrix_is_what_the_generator_prints():
     with open(DOC, encoding="utf-8") as handle:
         committed = handle.read()
     assert committed == support_matrix.support_matrix_markdown(), (
-        "docs/support_matrix.md is stale: run `python -m llm_packing.architectures --markdown > docs/support_matrix.md`"
+        "docs/support_matrix.md is stale: run `python -m llm_packing.support_matrix > docs/support_matrix.md`"
     )
