@@ -474,12 +474,12 @@ def support_matrix_markdown() -> str:
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
         "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3. `inferred`: not run; "
         "flash_attention_3 takes flash_attention_2's path with another kernel (the test asserts it), so the cell "
-        "follows from the flash_attention_2 one. `exact (varlen)` on sdpa: packed batches take the varlen route (per-document SDPA, "
-        "`llm_packing/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "
-        "parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which keeps "
-        "transformers' dense packed mask. `exact (runs K)` (or `inferred (runs K)`): transformers serves a FlashAttention request "
-        "with the architecture's own kernel K (one that takes attention sinks); that is the path tested. `n/a`: transformers "
-        "offers no such backend for the architecture.",
+        "follows from the flash_attention_2 one. `exact (varlen)` on sdpa: packed batches take the varlen route "
+        "(per-document SDPA, `llm_packing/varlen.py`; `attention_route='dense'` forces the dense mask), proven on "
+        "both routes by the parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, "
+        "which keeps transformers' dense packed mask. `exact (runs K)` (or `inferred (runs K)`): transformers serves "
+        "a FlashAttention request with the architecture's own kernel K (one that takes attention sinks); that is the "
+        "path tested. `n/a`: transformers offers no such backend for the architecture.",
         "",
         f"## Supported ({len(supported_model_types())})",
         "",
