@@ -581,12 +581,14 @@ class TestResourceBounds:
         assert built is mask  # no (batch, 1, length, length) mask is ever built on the varlen path
 
     def test_varlen_metadata_is_linear_in_tokens(self):
-        """Peak resident memory of `get_unpad_data` and of the collator's `return_flash_attn_kwargs=True` path, measured
-        in a fresh process (tracemalloc does not see torch's allocator: a 64 MiB `torch.zeros` shows 480 bytes)."""
+        """Peak resident memory of `get_unpad_data` and of the collator's `return_flash_attn_kwargs=True` path,
+        measured in a fresh process (tracemalloc does not see torch's allocator: a 64 MiB `torch.zeros` shows 480
+        bytes)."""
         completed = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROBE], capture_output=True, text=True,
                                    timeout=300, check=False)
         assert completed.returncode == 0, completed.stderr[-3000:]
-        for length, (tokens, documents, unpad_peak, collator_peak, cu_seq_lens, width) in json.loads(completed.stdout).items():
+        measured = json.loads(completed.stdout)
+        for length, (tokens, documents, unpad_peak, collator_peak, cu_seq_lens, width) in measured.items():
             # A few int64 arrays per token (plus allocator slack); a quadratic path needs 2 x length^2 bytes or more.
             bound = 64 * tokens + (1 << 20)
             assert unpad_peak <= bound and collator_peak <= bound, (length, unpad_peak, collator_peak, bound)
@@ -594,10 +596,11 @@ class TestResourceBounds:
 
 
 # Rows of 4k, 16k and 64k tokens, two per batch, documents of 1-63 tokens: prints {length: [tokens, documents, peak
-# bytes of get_unpad_data, peak bytes of the collator, len(cu_seq_lens_q), collated row width]}. Peaks are the growth of the process's
-# high-water RSS (reset through /proc/self/clear_refs) over its RSS just before the call, after a small warm-up call
-# (so that no code page loaded on first use counts). The data segment is capped 1 GiB above its size at the start, so
-# that a quadratic implementation fails with an allocation error instead of taking 8 GiB of a shared machine.
+# bytes of get_unpad_data, peak bytes of the collator, len(cu_seq_lens_q), collated row width]}. Peaks are the growth
+# of the process's high-water RSS (reset through /proc/self/clear_refs) over its RSS just before the call, after a
+# small warm-up call (so that no code page loaded on first use counts). The data segment is capped 1 GiB above its size
+# at the start, so that a quadratic implementation fails with an allocation error instead of taking 8 GiB of a shared
+# machine.
 PEAK_MEMORY_PROBE = """
 import json, resource
 import numpy as np, torch

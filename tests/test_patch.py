@@ -89,17 +89,20 @@ class TestPatching:
         assert not is_packing_configured()
 
     def test_modules_imported_after_configure_bind_the_patched_builder(self, model, monkeypatch):
-        # A modeling module imported for the first time after configure_packing: dropped from sys.modules (and put
-        # back afterwards) so that the import below runs its `from ..masking_utils import create_causal_mask` now.
+        # A modeling module imported for the first time after configure_packing: taken out of sys.modules and of its
+        # package (both put back afterwards), so that the import below runs its `from ... import create_causal_mask`.
         original = masking_utils.create_causal_mask
+        package, _, name = LATE_MODULE.rpartition(".")
         monkeypatch.delitem(sys.modules, LATE_MODULE, raising=False)
+        monkeypatch.delattr(importlib.import_module(package), name, raising=False)
         configure_packing(model)
         late = importlib.import_module(LATE_MODULE)
 
-        assert late is not sys.modules.get("transformers.models.llama.modeling_llama")
         assert late.create_causal_mask is not original
         assert late.create_causal_mask.__wrapped__ is original
         assert late.create_causal_mask is modeling_llama.create_causal_mask is masking_utils.create_causal_mask
+        unconfigure_packing()
+        assert late.create_causal_mask is original
 
     def test_attn_implementation_argument_switches_the_backend(self, model):
         configure_packing(model, attn_implementation="eager")

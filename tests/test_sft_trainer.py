@@ -1,6 +1,7 @@
-"""End to end with TRL: SFTTrainer on `pack_dataset` output gives the losses of the same documents unpacked, step after
-step: with plain SGD each step's loss follows from the previous step's gradients, so equal losses at steps 2 and 3 cover
-the gradients too (Adam's first steps move each weight by about the learning rate whatever the gradient's size)."""
+"""End to end with TRL: SFTTrainer on `pack_dataset` output gives the losses of the same documents unpacked, step
+after step: with plain SGD each step's loss follows from the previous step's gradients, so equal losses at steps 2
+and 3 cover the gradients too (Adam's first steps move each weight by about the learning rate whatever the gradient's
+size)."""
 
 import math
 

@@ -109,7 +109,8 @@ def test_hand_computed_truncate_and_drop(hand_file, capsys):
     main(["--dataset", hand_file, "--max_length", "8", "--overflow", "drop", "--strategies", "bfd"])
     output = capsys.readouterr().out
     assert output.splitlines()[1] == (
-        "packed: 4 sequences into rows of 8 tokens (lower bound 2 bins); --overflow drop: 1 dropped (11 tokens), 1 empty"
+        "packed: 4 sequences into rows of 8 tokens (lower bound 2 bins); --overflow drop: 1 dropped (11 tokens), "
+        "1 empty"
     )
     assert table_rows(output)["bfd"][:-2] == ["2", "87.5000%", "12.5000%", "+0.0000%", "87.50%", "97.50%", "99.75%"]
 

@@ -158,9 +158,10 @@ def independent_unpacked_loss(tmp_path, attn_implementation) -> float:
     assert len(pieces) > len(documents)  # the split policy is exercised
     width = max(len(ids) for ids, _ in pieces)
     padding = [width - len(ids) for ids, _ in pieces]
-    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * pad for (ids, _), pad in zip(pieces, padding)])
-    labels = torch.tensor([piece_labels + [-100] * pad for (_, piece_labels), pad in zip(pieces, padding)])
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * pad for (ids, _), pad in zip(pieces, padding)])
+    rows = list(zip(pieces, padding, strict=True))
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * pad for (ids, _), pad in rows])
+    labels = torch.tensor([piece_labels + [-100] * pad for (_, piece_labels), pad in rows])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * pad for (ids, _), pad in rows])
     with torch.no_grad():
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.item()
 
