@@ -18,6 +18,7 @@ from trl import DPOConfig, GRPOConfig, get_peft_config
 
 from .demo_data import DEMO_DATASET_NAME, load_chitchat_preference_pairs
 from .documents import load_documents, load_tokenizer
+from .errors import PackingValueError
 from .patch import unconfigure_packing
 
 
@@ -57,6 +58,12 @@ def train_preference(script_args, training_args, model_args, packing_args):
     from .preference import PackedDPOTrainer
     from .train import _setup_logging, load_model
 
+    if not packing_args.block_diag_attn or packing_args.padding_free:
+        raise PackingValueError(
+            f"`trainer: {script_args.trainer}` always packs its forwards with the indexed mask; got `block_diag_attn: "
+            f"{packing_args.block_diag_attn}`, `padding_free: {packing_args.padding_free}`. Remove both keys, or train "
+            f"unpacked with TRL's own `trl {script_args.trainer}` command."
+        )
     _setup_logging(training_args)
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,

@@ -12,7 +12,7 @@ from trl import DPOConfig
 
 from llm_packing.demo_data import load_chitchat_preference_pairs
 from llm_packing.errors import PackingValueError
-from llm_packing.train import parse_args
+from llm_packing.train import main, parse_args
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +27,13 @@ def test_dpo_recipe_takes_dpo_config_keys(tmp_path):
     assert (training_args.beta, training_args.loss_type, training_args.max_length) == (0.3, ["sigmoid"], 768)
     with pytest.raises(PackingValueError, match="Unknown key 'beta'"):  # SFTConfig has no beta
         parse_args(["--config", TINY_DPO, "--trainer", "sft", "--beta", "0.3"])
+
+
+@pytest.mark.parametrize("flag", ["--block_diag_attn", "--padding_free"])
+def test_dpo_recipe_refuses_the_unpacked_layouts(tmp_path, flag):
+    value = "false" if flag == "--block_diag_attn" else "true"
+    with pytest.raises(PackingValueError, match="always packs its forwards"):
+        main(["--config", TINY_DPO, flag, value, "--output_dir", str(tmp_path)])
 
 
 def test_demo_pairs_reject_another_conversations_reply():
