@@ -175,6 +175,9 @@ def _wrap_forward(forward, call: MixerCall):
         documents = arguments.get(call.mask if call.documents == "mask" else call.documents)
         if not _is_integer_2d(documents):
             return forward(*args, **kwargs)
+        batch_size = arguments[call.hidden].shape[0]
+        if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
+            documents = documents.expand(batch_size, -1)
         layout = _layout(documents, from_positions=call.documents == "position_ids")
         if layout is None:
             return forward(*args, **kwargs)

@@ -86,6 +86,18 @@ def test_mixer_missing_from_the_table_is_refused(monkeypatch):
     assert not mixers._originals
 
 
+def test_documents_read_from_position_ids_shared_by_every_row():
+    """recurrent_gemma's block reads the documents from `position_ids`; one row of them serves every row."""
+    model = tiny_model("recurrent_gemma")
+    batch = packed_batch(document_lengths=((5, 1, 7, 3), (5, 1, 7, 3)))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    with packing_configured(model), torch.no_grad():
+        per_row = model(**inputs, position_ids=batch["position_ids"]).logits
+        shared = model(**inputs, position_ids=batch["position_ids"][:1]).logits
+    assert (per_row - shared).abs().max() <= TOLERANCE
+    assert _max_differences(model, batch)[0] > 10 * TOLERANCE  # without the hook, the same batch leaks
+
+
 @pytest.mark.parametrize("mixer", ["Qwen4ExpTextPLELayer", "Qwen4ExpTextGatedDeltaNet"])
 def test_every_mixer_of_a_layer_is_needed(mixer):
     """Negative control per mixer kind of a type with two: Qwen4Exp's n-gram embeddings (hashed token n-grams and a
