@@ -288,7 +288,7 @@ class DocumentBatches:
         return packed.view(batch_size, length, *values.shape[1:])
 
     def _source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` flattened to `(batch_size * length, ...)`, plus the zero row that right padding in a group reads."""
+        """`tensor` flattened to `(batch_size * length, ...)`, plus the zero row that a group's right padding reads."""
         batch_size, length = self.shape
         flat = tensor.expand(batch_size, length, *tensor.shape[2:]).reshape(batch_size * length, *tensor.shape[2:])
         return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
