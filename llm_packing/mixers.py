@@ -176,6 +176,9 @@ def _wrap_forward(forward, call: MixerCall):
         documents = arguments.get(call.mask if call.documents == "mask" else call.documents)
         if not _is_integer_2d(documents):
             return forward(*args, **kwargs)
+        batch_size = arguments[call.hidden].shape[0]
+        if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
+            documents = documents.expand(batch_size, -1)
         layout = _layout(documents, from_positions=call.documents == "position_ids")
         if layout is None:
             return forward(*args, **kwargs)
@@ -289,7 +292,7 @@ class DocumentBatches:
         return packed.view(batch_size, length, *values.shape[1:])
 
     def _source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` flattened to `(batch_size * length, ...)`, plus one zero row: what right padding in a group reads."""
+        """`tensor` flattened to `(batch_size * length, ...)`, plus the zero row that a group's right padding reads."""
         batch_size, length = self.shape
         flat = tensor.expand(batch_size, length, *tensor.shape[2:]).reshape(batch_size * length, *tensor.shape[2:])
         return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])

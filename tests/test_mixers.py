@@ -86,27 +86,40 @@ def test_mixer_missing_from_the_table_is_refused(monkeypatch):
     assert not mixers._originals
 
 
+def test_documents_read_from_position_ids_shared_by_every_row():
+    """recurrent_gemma's block reads the documents from `position_ids`; one row of them serves every row."""
+    model = tiny_model("recurrent_gemma")
+    batch = packed_batch(document_lengths=((5, 1, 7, 3), (5, 1, 7, 3)))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    with packing_configured(model), torch.no_grad():
+        per_row = model(**inputs, position_ids=batch["position_ids"]).logits
+        shared = model(**inputs, position_ids=batch["position_ids"][:1]).logits
+    assert (per_row - shared).abs().max() <= TOLERANCE
+    assert _max_differences(model, batch)[0] > 10 * TOLERANCE  # without the hook, the same batch leaks
+
+
 @pytest.mark.parametrize("mixer", ["Qwen4ExpTextPLELayer", "Qwen4ExpTextGatedDeltaNet"])
-def test_every_mixer_of_a_layer_is_needed(mixer, monkeypatch):
+def test_every_mixer_of_a_layer_is_needed(mixer):
     """Negative control per mixer kind of a type with two: Qwen4Exp's n-gram embeddings (hashed token n-grams and a
     dilated conv) leak on their own when the gated delta net is isolated, and the other way round."""
     model = tiny_model("qwen4_exp_text")
     batch = packed_batch()
     with packing_configured(model):
         cls = next(cls for cls in mixers.mixer_classes("qwen4_exp_text") if cls.__name__ == mixer)
-        monkeypatch.setattr(cls, "forward", mixers._originals[cls])
+        cls.forward = mixers._originals[cls]  # this one left on the packed row; unconfiguring restores it anyway
         logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
     assert logit_difference > 10 * TOLERANCE
 
 
-def test_verify_packing_catches_a_mixer_leak():
-    """Attention isolated but the gated delta net left on the packed row: `verify_packing`'s documents (9, 7, 11
-    tokens, longer than the 4-token conv kernel) expose it."""
-    model = tiny_model("qwen3_5_text")
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "recurrent_gemma", "inkling_text", "zaya", "qwen4_exp_text"])
+def test_verify_packing_catches_a_mixer_leak(model_type):
+    """Attention isolated but the mixers left on the packed row: `verify_packing`'s documents (9, 7, 11 tokens, longer
+    than the 4-token conv kernels) expose it."""
+    model = tiny_model(model_type)
     with packing_configured(model):
         assert verify_packing(model) <= TOLERANCE
         mixers.unpatch_mixers()
-        with pytest.raises(ContaminationError, match="qwen3_5_text"):
+        with pytest.raises(ContaminationError, match=model_type):
             verify_packing(model)
 
 
