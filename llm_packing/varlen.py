@@ -173,8 +173,13 @@ def packed_sdpa_attention(
 
 def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: float, scaling: float | None):
     """SDPA over one bucket's documents side by side: `(n, bucket_length, heads, value_dim)`."""
-    query, key, value = (tensor[bucket].transpose(1, 2) for tensor in flat)
-    bucket_length = bucket.shape[1]
+    documents, bucket_length = bucket.shape
+    # index_select, not `tensor[bucket]`: its backward is a dense index_add instead of an accumulating index_put
+    # (1-3% of the attention call on CPU).
+    query, key, value = (
+        tensor.index_select(0, bucket.flatten()).view(documents, bucket_length, *tensor.shape[1:]).transpose(1, 2)
+        for tensor in flat
+    )
     mask = None
     if window is not None and bucket_length > window:
         steps = torch.arange(bucket_length, device=bucket.device)
