@@ -1,0 +1,150 @@
+"""The packed rows' tokens, read from the token columns a group of rows at a time and in input order.
+
+A packed row takes its documents from all over the input. Read in row order from a memory-mapped input, every
+document maps a whole page-cache folio (hundreds of KiB here) into the process, so the input soon becomes resident
+in full (15 GiB at 10M rows). Instead the rows are cut into groups of about `group_tokens`; a group's documents are
+read in input order, a bounded slice at a time, each slice's tokens put where they go in the group's buffers, and
+[`~llm_packing.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up. A sweep in input
+order maps each folio once per group instead of once per document. The group is then written a chunk of about
+`chunk_tokens` at a time, and its buffers reused for the next group (fresh memory costs page faults).
+"""
+
+import numpy as np
+import pyarrow as pa
+
+from .token_columns import IGNORE_INDEX
+
+
+def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages) -> None:
+    """
+    Gather the packed rows and hand them to `writer` (a [`~llm_packing.packed_cache.PackedWriter`]) a chunk at a
+    time.
+
+    Args:
+        columns (`dict[str, TokenColumn]`): The columns to read by name (`input_ids`, and `labels` / masks when the
+            labels are stored).
+        pieces ([`~llm_packing.overflow.Pieces`]): The slices of the input rows that are packed, in input order.
+        order, bin_offsets (`np.ndarray`): The plan of [`~llm_packing.binpack.pack_sequences`] over `pieces`.
+        progress: A `tqdm` bar, advanced by the tokens of each written chunk.
+        chunk_tokens (`int`): Tokens per written chunk.
+        group_tokens (`int`): Tokens per group read in input order.
+        pages ([`~llm_packing.resident_pages.ResidentPages`]): Checked after each slice read.
+    """
+    lengths = pieces.length[order]
+    doc_start = np.concatenate([[0], np.cumsum(lengths)])
+    row_start = doc_start[bin_offsets]
+    starts = {name: column.row_start[pieces.source] + pieces.start for name, column in columns.items()}
+    offset_type = np.int64 if writer.schema.field("input_ids").type == pa.large_list(pa.int32()) else np.int32
+    chunk_rows = _bounds(row_start, chunk_tokens)
+    group_chunks = _bounds(row_start[chunk_rows], group_tokens)
+    group_size = int(np.diff(row_start[chunk_rows[group_chunks]]).max(initial=0))
+    reading = _Reader(columns, starts, pieces.length, group_size, chunk_tokens, pages)
+    for first_chunk, last_chunk in zip(group_chunks[:-1], group_chunks[1:]):
+        rows = chunk_rows[first_chunk : last_chunk + 1]
+        docs = slice(bin_offsets[rows[0]], bin_offsets[rows[-1]])
+        group = reading.read(order[docs], doc_start[docs] - doc_start[docs.start], lengths[docs],
+                             fresh=not writer.reuses_buffers)
+        for first, last in zip(rows[:-1], rows[1:]):
+            tokens = slice(row_start[first] - row_start[rows[0]], row_start[last] - row_start[rows[0]])
+            chunk_docs = slice(bin_offsets[first], bin_offsets[last])
+            values = _row_values(group, tokens, lengths[chunk_docs], writer.schema.names)
+            token_offsets = pa.array((row_start[first : last + 1] - row_start[first]).astype(offset_type))
+            list_type = pa.LargeListArray if offset_type == np.int64 else pa.ListArray
+            arrays = {name: list_type.from_arrays(token_offsets, pa.array(array)) for name, array in values.items()}
+            doc_offsets = pa.array((bin_offsets[first : last + 1] - bin_offsets[first]).astype(np.int32))
+            seq_lengths = pa.array(lengths[chunk_docs].astype(np.int32))
+            arrays["seq_lengths"] = pa.ListArray.from_arrays(doc_offsets, seq_lengths)
+            writer.write(pa.Table.from_arrays([arrays[name] for name in writer.schema.names], schema=writer.schema))
+            progress.update(tokens.stop - tokens.start)
+
+
+class _Reader:
+    """Reads a group's documents in input order into one buffer per column, in row order; buffers are reused."""
+
+    def __init__(self, columns, starts, piece_lengths, group_size, slice_tokens, pages):
+        self._columns, self._starts, self._piece_lengths, self._pages = columns, starts, piece_lengths, pages
+        self._slice_tokens = slice_tokens
+        self._buffers = self._allocate(group_size)
+        slice_size = min(group_size, slice_tokens + int(piece_lengths.max(initial=0)))
+        self._source, self._destination = np.empty(slice_size, np.int64), np.empty(slice_size, np.int64)
+        self._values = np.empty(slice_size, np.int32)
+
+    def _allocate(self, size):
+        return {name: np.empty(size, np.uint8 if column.bits else np.int32) for name, column in self._columns.items()}
+
+    def read(self, ids, positions, lengths, fresh):
+        """The tokens of pieces `ids` (row order), each at `positions` in the returned buffers."""
+        tokens = int(lengths.sum())
+        if fresh:  # the rows are kept in memory, pointing into these buffers
+            buffers = self._allocate(tokens)
+        else:
+            buffers = {name: buffer[:tokens] for name, buffer in self._buffers.items()}
+        by_input = np.argsort(ids, kind="stable")  # pieces are numbered in input order
+        ends = np.cumsum(lengths[by_input])
+        first = 0
+        while first < len(by_input):
+            base = ends[first - 1] if first else 0
+            last = max(int(np.searchsorted(ends, base + self._slice_tokens, side="right")), first + 1)
+            part = by_input[first:last]
+            size = int(ends[last - 1] - base)
+            destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
+            for name, column in self._columns.items():
+                source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
+                values = column.take(source, out=None if column.bits else self._values[:size])
+                buffers[name][destination] = values
+            self._pages.check()
+            first = last
+        return buffers
+
+
+def _row_values(group, tokens, lengths, names) -> dict[str, np.ndarray]:
+    """The token columns of one chunk of rows from its group's buffers: ids, labels and positions as stored."""
+    values = {"input_ids": group["input_ids"][tokens]}
+    if "labels" in names:
+        labels = group["labels"][tokens].copy() if "labels" in group else values["input_ids"].copy()
+        for name, mask in group.items():
+            if name not in ("input_ids", "labels"):
+                labels[mask[tokens] == 0] = IGNORE_INDEX
+        labels[np.cumsum(lengths) - lengths] = IGNORE_INDEX
+        values["labels"] = labels
+    if "position_ids" in names:
+        values["position_ids"] = segment_aranges(np.zeros(1, np.int32), lengths, out=np.empty(int(lengths.sum()),
+                                                                                              np.int32))
+    return values
+
+
+def _bounds(starts: np.ndarray, size: int) -> np.ndarray:
+    """Indices into `starts` (increasing offsets, the last the total) cutting it into spans of at most `size` (or one
+    step), from 0 to the last index."""
+    bounds, first = [0], 0
+    while first < len(starts) - 1:
+        last = int(np.searchsorted(starts, starts[first] + size, side="right")) - 1
+        first = min(max(last, first + 1), len(starts) - 1)
+        bounds.append(first)
+    return np.array(bounds)
+
+
+def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """
+    `concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop; `lengths` must be > 0.
+    `starts` of size 1 starts every segment there. Written into `out` when given (its dtype must hold the values).
+
+    Example:
+    ```python
+    >>> import numpy as np
+    >>> segment_aranges(np.array([5, 0]), np.array([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    >>> segment_aranges(np.zeros(1, np.int32), np.array([2, 3])).tolist()
+    [0, 1, 0, 1, 2]
+
+    ```
+    """
+    steps = np.empty(int(lengths.sum()), dtype=np.int64) if out is None else out
+    if len(steps) == 0:
+        return steps
+    steps.fill(1)
+    ends = np.cumsum(lengths)[:-1]
+    starts = np.broadcast_to(starts, lengths.shape)
+    steps[0] = starts[0]
+    steps[ends] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
