@@ -31,7 +31,7 @@ __all__ = ["IGNORE_INDEX", "MASK_COLUMNS", "PackedDatasetEpochs", "invalid_label
 logger = logging.getLogger(__name__)
 
 _GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
-_GROUP_TOKENS = 1 << 26  # tokens per group read in input order (see `gather.py`): 256 MiB of int32 ids
+_GROUP_TOKENS = 1 << 25  # tokens per group read in input order (see `gather.py`): two buffers of 128 MiB of ids
 _MAX_LIST_OFFSET = np.iinfo(np.int32).max  # past this many tokens, a column needs 64-bit (large_list) offsets
 
 

@@ -4,9 +4,10 @@ A packed row takes its documents from all over the input. Read in row order from
 document maps a whole page-cache folio (hundreds of KiB here) into the process, so the input soon becomes resident
 in full (15 GiB at 10M rows). Instead the rows are cut into groups of about `group_tokens`; a group's documents are
 read in input order, a bounded slice at a time, each slice's tokens put where they go in the group's buffers, and
-[`~llm_packing.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up. A sweep in input
-order maps each folio once per group instead of once per document. The group is then written a chunk of about
-`chunk_tokens` at a time, and its buffers reused for the next group (fresh memory costs page faults).
+[`~llm_packing.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up: a sweep in input
+order maps each folio once per group instead of once per document. A group is then handed to the writer (which
+writes on its own thread) a chunk of about `chunk_tokens` at a time, while the next group is read into a second set
+of buffers; each set is reused once its rows are written (fresh memory costs page faults).
 """
 
 import numpy as np
@@ -25,7 +26,7 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
             labels are stored).
         pieces ([`~llm_packing.overflow.Pieces`]): The slices of the input rows that are packed, in input order.
         order, bin_offsets (`np.ndarray`): The plan of [`~llm_packing.binpack.pack_sequences`] over `pieces`.
-        progress: A `tqdm` bar, advanced by the tokens of each written chunk.
+        progress: A `tqdm` bar, advanced by the tokens of each group gathered.
         chunk_tokens (`int`): Tokens per written chunk.
         group_tokens (`int`): Tokens per group read in input order.
         pages ([`~llm_packing.resident_pages.ResidentPages`]): Checked after each slice read.
@@ -34,37 +35,47 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
     doc_start = np.concatenate([[0], np.cumsum(lengths)])
     row_start = doc_start[bin_offsets]
     starts = {name: column.row_start[pieces.source] + pieces.start for name, column in columns.items()}
-    offset_type = np.int64 if writer.schema.field("input_ids").type == pa.large_list(pa.int32()) else np.int32
     chunk_rows = _bounds(row_start, chunk_tokens)
     group_chunks = _bounds(row_start[chunk_rows], group_tokens)
     group_size = int(np.diff(row_start[chunk_rows[group_chunks]]).max(initial=0))
     reading = _Reader(columns, starts, pieces.length, group_size, chunk_tokens, pages)
-    for first_chunk, last_chunk in zip(group_chunks[:-1], group_chunks[1:]):
+    # Two sets of group buffers: one is gathered into while the rows of the other are being written.
+    writing = ([], [])
+    for number, (first_chunk, last_chunk) in enumerate(zip(group_chunks[:-1], group_chunks[1:])):
+        for written in writing[number % 2]:
+            written.result()
         rows = chunk_rows[first_chunk : last_chunk + 1]
         docs = slice(bin_offsets[rows[0]], bin_offsets[rows[-1]])
-        group = reading.read(order[docs], doc_start[docs] - doc_start[docs.start], lengths[docs],
+        group = reading.read(order[docs], doc_start[docs] - doc_start[docs.start], lengths[docs], number % 2,
                              fresh=not writer.reuses_buffers)
-        for first, last in zip(rows[:-1], rows[1:]):
-            tokens = slice(row_start[first] - row_start[rows[0]], row_start[last] - row_start[rows[0]])
-            chunk_docs = slice(bin_offsets[first], bin_offsets[last])
-            values = _row_values(group, tokens, lengths[chunk_docs], writer.schema.names)
-            token_offsets = pa.array((row_start[first : last + 1] - row_start[first]).astype(offset_type))
-            list_type = pa.LargeListArray if offset_type == np.int64 else pa.ListArray
-            arrays = {name: list_type.from_arrays(token_offsets, pa.array(array)) for name, array in values.items()}
-            doc_offsets = pa.array((bin_offsets[first : last + 1] - bin_offsets[first]).astype(np.int32))
-            seq_lengths = pa.array(lengths[chunk_docs].astype(np.int32))
-            arrays["seq_lengths"] = pa.ListArray.from_arrays(doc_offsets, seq_lengths)
-            writer.write(pa.Table.from_arrays([arrays[name] for name in writer.schema.names], schema=writer.schema))
-            progress.update(tokens.stop - tokens.start)
+        writing[number % 2][:] = [
+            writer.write(_chunk_table(group, row_start, bin_offsets, lengths, first, last, rows[0], writer.schema))
+            for first, last in zip(rows[:-1], rows[1:])
+        ]
+        progress.update(int(row_start[rows[-1]] - row_start[rows[0]]))
+
+
+def _chunk_table(group, row_start, bin_offsets, lengths, first, last, group_row, schema) -> pa.Table:
+    """Rows `[first, last)` as a table of `schema`, from the buffers of the group that starts at row `group_row`."""
+    tokens = slice(row_start[first] - row_start[group_row], row_start[last] - row_start[group_row])
+    docs = slice(bin_offsets[first], bin_offsets[last])
+    values = _row_values(group, tokens, lengths[docs], schema.names)
+    offset_type = np.int64 if schema.field("input_ids").type == pa.large_list(pa.int32()) else np.int32
+    token_offsets = pa.array((row_start[first : last + 1] - row_start[first]).astype(offset_type))
+    list_type = pa.LargeListArray if offset_type == np.int64 else pa.ListArray
+    arrays = {name: list_type.from_arrays(token_offsets, pa.array(array)) for name, array in values.items()}
+    doc_offsets = pa.array((bin_offsets[first : last + 1] - bin_offsets[first]).astype(np.int32))
+    arrays["seq_lengths"] = pa.ListArray.from_arrays(doc_offsets, pa.array(lengths[docs].astype(np.int32)))
+    return pa.Table.from_arrays([arrays[name] for name in schema.names], schema=schema)
 
 
 class _Reader:
     """Reads a group's documents in input order into one buffer per column, in row order; buffers are reused."""
 
     def __init__(self, columns, starts, piece_lengths, group_size, slice_tokens, pages):
-        self._columns, self._starts, self._piece_lengths, self._pages = columns, starts, piece_lengths, pages
+        self._columns, self._starts, self._pages = columns, starts, pages
         self._slice_tokens = slice_tokens
-        self._buffers = self._allocate(group_size)
+        self._buffers = [self._allocate(group_size), self._allocate(group_size)]  # untouched memory costs nothing
         slice_size = min(group_size, slice_tokens + int(piece_lengths.max(initial=0)))
         self._source, self._destination = np.empty(slice_size, np.int64), np.empty(slice_size, np.int64)
         self._values = np.empty(slice_size, np.int32)
@@ -72,13 +83,13 @@ class _Reader:
     def _allocate(self, size):
         return {name: np.empty(size, np.uint8 if column.bits else np.int32) for name, column in self._columns.items()}
 
-    def read(self, ids, positions, lengths, fresh):
-        """The tokens of pieces `ids` (row order), each at `positions` in the returned buffers."""
+    def read(self, ids, positions, lengths, slot, fresh):
+        """The tokens of pieces `ids` (row order), each at `positions` in buffer set `slot` (0 or 1)."""
         tokens = int(lengths.sum())
         if fresh:  # the rows are kept in memory, pointing into these buffers
             buffers = self._allocate(tokens)
         else:
-            buffers = {name: buffer[:tokens] for name, buffer in self._buffers.items()}
+            buffers = {name: buffer[:tokens] for name, buffer in self._buffers[slot].items()}
         by_input = np.argsort(ids, kind="stable")  # pieces are numbered in input order
         ends = np.cumsum(lengths[by_input])
         first = 0
@@ -90,8 +101,7 @@ class _Reader:
             destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
             for name, column in self._columns.items():
                 source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
-                values = column.take(source, out=None if column.bits else self._values[:size])
-                buffers[name][destination] = values
+                buffers[name][destination] = column.take(source, out=None if column.bits else self._values[:size])
             self._pages.check()
             first = last
         return buffers
