@@ -22,7 +22,7 @@ from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, c
 from .packed_cache import PackedWriter, destination, load_cached
 from .packed_metadata import record_packing
 from .resident_pages import ResidentPages
-from .token_columns import IGNORE_INDEX, MASK_COLUMNS, TokenColumn, flat_values, invalid_label_error, row_windows
+from .token_columns import IGNORE_INDEX, MASK_COLUMNS, TokenColumn, invalid_label_error, row_windows
 
 
 __all__ = ["IGNORE_INDEX", "MASK_COLUMNS", "PackedDatasetEpochs", "invalid_label_error", "pack_dataset",
@@ -31,6 +31,7 @@ __all__ = ["IGNORE_INDEX", "MASK_COLUMNS", "PackedDatasetEpochs", "invalid_label
 logger = logging.getLogger(__name__)
 
 _GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
+_LABELS_WINDOW = 1 << 22  # tokens compared at a time when deciding whether to store labels: 32 MiB of indices
 _GROUP_TOKENS = 1 << 25  # tokens per group read in input order (see `gather.py`): two buffers of 128 MiB of ids
 _MAX_LIST_OFFSET = np.iinfo(np.int32).max  # past this many tokens, a column needs 64-bit (large_list) offsets
 
@@ -243,9 +244,25 @@ class _Documents:
     """The token columns of one split, read in place, and the pieces of them that get packed."""
 
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
-        # An indices mapping (`select`, `shuffle`, `filter`) is gathered here: `flatten_indices()` first avoids it.
-        # With no rows, `data.table` may still hold every row behind the mapping.
-        table = dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0)
+        # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
+        rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        try:
+            self._read(dataset.data.table, rows)
+        except PackingError:
+            if rows is None:
+                raise
+            # The whole table behind the mapping was checked: the bad value may be in a row left out, and an error
+            # must name the row as the caller counts it. Checked again on the picked rows alone (gathered: rare).
+            # With no rows, `data.table` may still hold every row behind the mapping.
+            self._read(dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0), None)
+        self.pieces = cut_pieces(self.input_ids.lengths, max_length, overflow)
+        self.max_length = max_length
+        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
+        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(
+            self.input_ids, [column for column in (self.labels, *self.masks) if column], self.pages)
+
+    def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
+        """The token columns of `table`, checked, then narrowed to `rows` if given."""
         if "input_ids" not in table.column_names:
             raise PackingValueError(
                 f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
@@ -257,10 +274,10 @@ class _Documents:
         self.labels = TokenColumn(table, "labels", lengths, self.pages) if "labels" in table.column_names else None
         self.masks = [TokenColumn(table, name, lengths, self.pages) for name in MASK_COLUMNS
                       if name in table.column_names]
-        self.pieces = cut_pieces(lengths, max_length, overflow)
-        self.max_length = max_length
-        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
-        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(table, lengths, self.pages)
+        if rows is not None:
+            for column in (self.input_ids, self.labels, *self.masks):
+                if column is not None:
+                    column.select(rows)
 
     def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids):
         result = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
@@ -297,21 +314,22 @@ class _Documents:
         return [(column.name, column) for column in stored if column is not None]
 
 
-def _labels_say_more(table: pa.Table, lengths: np.ndarray, pages: ResidentPages) -> bool:
+def _labels_say_more(input_ids: TokenColumn, others: list[TokenColumn], pages: ResidentPages) -> bool:
     """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
     collator's labels (the ids, -100 at each document start) are the same and none are stored."""
-    names = [name for name in ("labels", *MASK_COLUMNS) if name in table.column_names]
-    row_ends = np.cumsum(lengths)
-    for first, last in row_windows(lengths):
-        ids = flat_values(table.column("input_ids"), first, last)
+    for first, last in row_windows(input_ids.lengths, _LABELS_WINDOW):
+        lengths = input_ids.lengths[first:last]
+        rows = np.flatnonzero(lengths) + first
+        if not len(rows):
+            continue
+        lengths = lengths[lengths > 0]
+        ids = input_ids.take(segment_aranges(input_ids.row_start[rows], lengths))
         differs = np.zeros(len(ids), bool)
-        for name in names:
-            values = flat_values(table.column(name), first, last)
-            differs |= (values != ids) if name == "labels" else (values == 0)
+        for column in others:
+            values = column.take(segment_aranges(column.row_start[rows], lengths))
+            differs |= (values != ids) if column.name == "labels" else (values == 0)
         pages.check()
-        window_start = row_ends[first - 1] if first else 0
-        row_starts = (row_ends[first:last] - lengths[first:last] - window_start)[lengths[first:last] > 0]
-        differs[row_starts] = False
+        differs[np.cumsum(lengths) - lengths] = False
         if differs.any():
             return True
     return False

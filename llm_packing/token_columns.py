@@ -58,6 +58,10 @@ class TokenColumn:
         dtype = np.dtype(np.uint8 if self.bits else column.type.value_type.to_pandas_dtype())
         self._span, self.row_start = _span(self._chunks, dtype, self.bits, len(self.lengths))
 
+    def select(self, rows: np.ndarray) -> None:
+        """Keep `rows` only, in that order (an indices mapping: `select`, `shuffle`, `filter`); values are not moved."""
+        self.lengths, self.row_start = self.lengths[rows], self.row_start[rows]
+
     def take(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The values at `index` (built from `row_start`), as `int32` (masks: 0/1 `uint8`), into `out` if given."""
         if self.bits:

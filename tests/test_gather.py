@@ -8,6 +8,7 @@ from datasets import Dataset
 from llm_packing import dataset as dataset_module
 from llm_packing import resident_pages, token_columns
 from llm_packing.dataset import pack_dataset
+from llm_packing.errors import PackingValueError
 from llm_packing.resident_pages import ResidentPages
 
 
@@ -86,3 +87,42 @@ def test_packing_keeps_the_mapped_input_bounded(tmp_path, monkeypatch, limit):
         assert rise < limit + (6 << 20)
     else:  # the whole 16 MB file ends up resident when nothing is given back
         assert rise > 12 << 20
+
+
+class TestIndicesMapping:
+    """`select` / `shuffle` / `filter` leave an indices mapping over the table: read through it, not gathered."""
+
+    def test_same_rows_as_the_flattened_dataset(self, tmp_path):
+        rng = np.random.default_rng(3)
+        ids = corpus(200, max_length=40)
+        columns = {"input_ids": ids, "labels": [np.where(rng.random(len(x)) < 0.3, -100, x).tolist() for x in ids],
+                   "completion_mask": [(rng.random(len(x)) < 0.8).astype(int).tolist() for x in ids]}
+        ds = mapped(tmp_path, columns, rows_per_batch=7)
+        for picked in (ds.shuffle(seed=0), ds.select(range(150, 20, -3)), ds.filter(lambda row: len(row) % 2,
+                                                                                     input_columns="input_ids")):
+            assert picked._indices is not None
+            for overflow in ("split", "drop"):
+                expected = pack_dataset(picked.flatten_indices(), 32, overflow=overflow, seed=1)
+                assert pack_dataset(picked, 32, overflow=overflow, seed=1).to_dict() == expected.to_dict()
+
+    def test_the_picked_rows_are_not_gathered(self, tmp_path):
+        ds = mapped(tmp_path, large_corpus()).shuffle(seed=0)
+        before = pa.total_allocated_bytes()
+        documents = dataset_module._Documents(ds, 256, "error")
+        assert pa.total_allocated_bytes() - before < (16 << 20) // 10  # a gather would copy 16 MB of tokens
+        row = ds[5]["input_ids"]
+        assert documents.input_ids.take(documents.input_ids.row_start[5] + np.arange(len(row))).tolist() == row
+
+    def test_labels_are_judged_on_the_picked_rows(self):
+        ds = Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "labels": [[1, 2], [3, -100]]})
+        assert pack_dataset(ds.select([0]), 4).column_names == ["input_ids", "seq_lengths"]
+        assert pack_dataset(ds.select([1, 0]), 4)["labels"] == [[-100, -100, -100, 2]]
+
+    def test_a_bad_row_left_out_is_no_error_and_a_picked_one_is_named(self, tmp_path):
+        ds = mapped(tmp_path, {"input_ids": [[1, 2]] * 9 + [[-5, 2]]}, rows_per_batch=3)
+        assert pack_dataset(ds.select(range(9)), 4)["seq_lengths"] == [[2, 2]] * 4 + [[2]]
+        with pytest.raises(PackingValueError, match=r"'input_ids' must hold values in \[0, 2147483647\], found -5"):
+            pack_dataset(ds.select([9, 0]), 4)
+        labelled = Dataset.from_dict({"input_ids": [[1, 2]] * 4, "labels": [[1, 2]] * 3 + [[1, -7]]})
+        with pytest.raises(PackingValueError, match=r"'labels' in row 1 holds -7"):
+            pack_dataset(labelled.select([0, 3]), 4)
