@@ -46,6 +46,11 @@ class ResidentPages:
         self.mappings = _read_only_file_mappings(_buffer_addresses(table)) if _LIBC else []
         self._level = _rss_file() if self.mappings else 0
 
+    @property
+    def bounds(self) -> bool:
+        """Whether the mappings are larger than the limit, so that the order of reads decides what stays resident."""
+        return sum(end - start for start, end in self.mappings) > self.limit
+
     def check(self) -> None:
         """Give the mappings' pages back if the process's file-backed resident memory rose past the limit."""
         if self.mappings and _rss_file() - self._level > self.limit:
