@@ -7,7 +7,8 @@ read in input order, a bounded slice at a time, each slice's tokens put where th
 [`~llm_packing.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up: a sweep in input
 order maps each folio once per group instead of once per document. A group is then handed to the writer (which
 writes on its own thread) a chunk of about `chunk_tokens` at a time, while the next group is read into a second set
-of buffers; each set is reused once its rows are written (fresh memory costs page faults).
+of buffers; each set is reused once its rows are written (fresh memory costs page faults). An input in memory, or
+mapping less than the limit, is read in row order instead, straight into place: nothing there to bound.
 """
 
 import numpy as np
@@ -70,7 +71,8 @@ def _chunk_table(group, row_start, bin_offsets, lengths, first, last, group_row,
 
 
 class _Reader:
-    """Reads a group's documents in input order into one buffer per column, in row order; buffers are reused."""
+    """Reads a group's documents into one buffer per column, in row order; reads go in input order where the mapped
+    input is larger than the resident limit (`pages.bounds`), in row order otherwise. Buffers are reused."""
 
     def __init__(self, columns, starts, piece_lengths, group_size, slice_tokens, pages):
         self._columns, self._starts, self._pages = columns, starts, pages
