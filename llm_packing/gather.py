@@ -37,7 +37,8 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
     row_start = doc_start[bin_offsets]
     starts = {name: column.row_start[pieces.source] + pieces.start for name, column in columns.items()}
     chunk_rows = _bounds(row_start, chunk_tokens)
-    group_chunks = _bounds(row_start[chunk_rows], group_tokens)
+    # Reads in row order gain nothing from groups: a group per chunk keeps buffers (and fresh memory) chunk-sized.
+    group_chunks = _bounds(row_start[chunk_rows], group_tokens if pages.bounds else 0)
     group_size = int(np.diff(row_start[chunk_rows[group_chunks]]).max(initial=0))
     reading = _Reader(columns, starts, pieces.length, group_size, chunk_tokens, pages)
     # Two sets of group buffers: one is gathered into while the rows of the other are being written.
@@ -107,7 +108,12 @@ class _Reader:
                 destination = slice(base, base + size)
             for name, column in self._columns.items():
                 source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
-                buffers[name][destination] = column.take(source, out=None if column.bits else self._values[:size])
+                if column.bits:
+                    buffers[name][destination] = column.take(source)
+                elif isinstance(destination, slice):  # straight into place
+                    column.take(source, out=buffers[name][destination])
+                else:
+                    buffers[name][destination] = column.take(source, out=self._values[:size])
             self._pages.check()
             first = last
         return buffers
