@@ -17,11 +17,13 @@ from datasets.utils.tqdm import tqdm
 
 from .binpack import pack_sequences, seed_from_components
 from .errors import PackingError, PackingTypeError, PackingValueError
-from .layout import MASK_COLUMNS, ignore_document_starts, ignore_masked, position_ids, segment_aranges
+from .gather import write_rows
+from .layout import MASK_COLUMNS, segment_aranges
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .packed_cache import PackedWriter, destination, load_cached
 from .packed_metadata import record_packing
-from .token_columns import TokenColumn, flat_values, row_windows
+from .resident_pages import ResidentPages
+from .token_columns import TokenColumn, row_windows
 
 
 __all__ = ["PackedDatasetEpochs", "pack_dataset"]
@@ -29,6 +31,8 @@ __all__ = ["PackedDatasetEpochs", "pack_dataset"]
 logger = logging.getLogger(__name__)
 
 _GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
+_LABELS_WINDOW = 1 << 22  # tokens compared at a time when deciding whether to store labels: 32 MiB of indices
+_GROUP_TOKENS = 1 << 25  # tokens per group read in input order (see `gather.py`): two buffers of 128 MiB of ids
 _MAX_LIST_OFFSET = np.iinfo(np.int32).max  # past this many tokens, a column needs 64-bit (large_list) offsets
 
 
@@ -240,22 +244,40 @@ class _Documents:
     """The token columns of one split, read in place, and the pieces of them that get packed."""
 
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
-        # An indices mapping (`select`, `shuffle`, `filter`) is gathered here: `flatten_indices()` first avoids it.
-        # With no rows, `data.table` may still hold every row behind the mapping.
-        table = dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0)
+        # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
+        rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        try:
+            self._read(dataset.data.table, rows)
+        except PackingError:
+            if rows is None:
+                raise
+            # The whole table behind the mapping was checked: the bad value may be in a row left out, and an error
+            # must name the row as the caller counts it. Checked again on the picked rows alone (gathered: rare).
+            # With no rows, `data.table` may still hold every row behind the mapping.
+            self._read(dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0), None)
+        self.pieces = cut_pieces(self.input_ids.lengths, max_length, overflow)
+        self.max_length = max_length
+        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
+        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(
+            self.input_ids, [column for column in (self.labels, *self.masks) if column], self.pages)
+
+    def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
+        """The token columns of `table`, checked, then narrowed to `rows` if given."""
         if "input_ids" not in table.column_names:
             raise PackingValueError(
                 f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
                 "`dataset.map(lambda ex: tokenizer(ex['text']))`."
             )
-        self.input_ids = TokenColumn(table, "input_ids")
+        self.pages = ResidentPages(table)  # documents are read all over a memory-mapped input: bound what stays mapped
+        self.input_ids = TokenColumn(table, "input_ids", pages=self.pages)
         lengths = self.input_ids.lengths
-        self.labels = TokenColumn(table, "labels", lengths) if "labels" in table.column_names else None
-        self.masks = [TokenColumn(table, name, lengths) for name in MASK_COLUMNS if name in table.column_names]
-        self.pieces = cut_pieces(lengths, max_length, overflow)
-        self.max_length = max_length
-        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
-        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(table, lengths)
+        self.labels = TokenColumn(table, "labels", lengths, self.pages) if "labels" in table.column_names else None
+        self.masks = [TokenColumn(table, name, lengths, self.pages) for name in MASK_COLUMNS
+                      if name in table.column_names]
+        if rows is not None:
+            for column in (self.input_ids, self.labels, *self.masks):
+                if column is not None:
+                    column.select(rows)
 
     def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids):
         result = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
@@ -279,83 +301,35 @@ class _Documents:
         return features.arrow_schema
 
     def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter) -> None:
-        """Gather the packed rows a chunk of about `_GATHER_CHUNK` tokens at a time and hand each chunk to `writer`."""
-        lengths = self.pieces.length[order]
-        doc_start = np.concatenate([[0], np.cumsum(lengths)])
-        row_start = doc_start[bin_offsets]
-        num_tokens = int(doc_start[-1])
-        offset_type = np.int64 if writer.schema.field("input_ids").type == pa.large_list(pa.int32()) else np.int32
-        starts = {name: column.row_start[self.pieces.source] + self.pieces.start for name, column in self._columns()}
-        # Written chunks are on disk once written: their buffers are reused, since fresh memory costs page faults.
-        bounds = self._chunk_bounds(row_start)
-        size = int(np.diff(row_start[bounds]).max(initial=0))
-        buffers = {name: np.empty(size, np.int32) for name in writer.schema.names if name != "seq_lengths"}
-        gather = np.empty(size, np.int64)
+        """Gather the packed rows (see `gather.py`) under a progress bar and hand them to `writer`."""
+        columns = dict(self._columns())
+        num_tokens = int(self.pieces.length.sum())
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
-            for first, last in zip(bounds[:-1], bounds[1:]):
-                docs = slice(bin_offsets[first], bin_offsets[last])
-                tokens = int(row_start[last] - row_start[first])
-                if not writer.reuses_buffers:
-                    buffers = {name: np.empty(tokens, np.int32) for name in buffers}
-                columns = self._gather(order[docs], lengths[docs], starts, gather[:tokens],
-                                       {name: buffer[:tokens] for name, buffer in buffers.items()})
-                token_offsets = pa.array((row_start[first : last + 1] - row_start[first]).astype(offset_type))
-                list_type = pa.LargeListArray if offset_type == np.int64 else pa.ListArray
-                arrays = {name: list_type.from_arrays(token_offsets, pa.array(values))
-                          for name, values in columns.items()}
-                doc_offsets = pa.array((bin_offsets[first : last + 1] - bin_offsets[first]).astype(np.int32))
-                arrays["seq_lengths"] = pa.ListArray.from_arrays(doc_offsets, pa.array(lengths[docs].astype(np.int32)))
-                writer.write(pa.Table.from_arrays([arrays[name] for name in writer.schema.names],
-                                                  schema=writer.schema))
-                progress.update(tokens)
-
-    @staticmethod
-    def _chunk_bounds(row_start: np.ndarray) -> np.ndarray:
-        """Row indices cutting the rows into chunks of at most `_GATHER_CHUNK` tokens (or one row)."""
-        bounds, first = [0], 0
-        while first < len(row_start) - 1:
-            last = int(np.searchsorted(row_start, row_start[first] + _GATHER_CHUNK, side="right")) - 1
-            first = min(max(last, first + 1), len(row_start) - 1)
-            bounds.append(first)
-        return np.array(bounds)
+            write_rows(columns, self.pieces, order, bin_offsets, writer, progress, chunk_tokens=_GATHER_CHUNK,
+                       group_tokens=_GROUP_TOKENS, pages=self.pages)
 
     def _columns(self):
         """The columns read when gathering, by name."""
         stored = [self.input_ids, *([self.labels, *self.masks] if self.keeps_labels else [])]
         return [(column.name, column) for column in stored if column is not None]
 
-    def _gather(self, pieces, lengths, starts, gather, out) -> dict[str, np.ndarray]:
-        """The token columns of the documents `pieces` (in row order), written into the arrays of `out`."""
-        segment_aranges(starts["input_ids"][pieces], lengths, out=gather)
-        self.input_ids.take(gather, out=out["input_ids"])
-        if "labels" in out:
-            labels = out["labels"]
-            if self.labels is None:
-                labels[...] = out["input_ids"]
-            else:
-                self.labels.take(segment_aranges(starts["labels"][pieces], lengths, out=gather), out=labels)
-            for mask in self.masks:
-                ignore_masked(labels, mask.take(segment_aranges(starts[mask.name][pieces], lengths, out=gather)))
-            ignore_document_starts(labels, lengths)
-        if "position_ids" in out:
-            position_ids(lengths, out=out["position_ids"])
-        return out
 
-
-def _labels_say_more(table: pa.Table, lengths: np.ndarray) -> bool:
+def _labels_say_more(input_ids: TokenColumn, others: list[TokenColumn], pages: ResidentPages) -> bool:
     """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
     collator's labels (the ids, -100 at each document start) are the same and none are stored."""
-    names = [name for name in ("labels", *MASK_COLUMNS) if name in table.column_names]
-    row_ends = np.cumsum(lengths)
-    for first, last in row_windows(lengths):
-        ids = flat_values(table.column("input_ids"), first, last)
+    for first, last in row_windows(input_ids.lengths, _LABELS_WINDOW):
+        lengths = input_ids.lengths[first:last]
+        rows = np.flatnonzero(lengths) + first
+        if not len(rows):
+            continue
+        lengths = lengths[lengths > 0]
+        ids = input_ids.take(segment_aranges(input_ids.row_start[rows], lengths))
         differs = np.zeros(len(ids), bool)
-        for name in names:
-            values = flat_values(table.column(name), first, last)
-            differs |= (values != ids) if name == "labels" else (values == 0)
-        window_start = row_ends[first - 1] if first else 0
-        row_starts = (row_ends[first:last] - lengths[first:last] - window_start)[lengths[first:last] > 0]
-        differs[row_starts] = False
+        for column in others:
+            values = column.take(segment_aranges(column.row_start[rows], lengths))
+            differs |= (values != ids) if column.name == "labels" else (values == 0)
+        pages.check()
+        differs[np.cumsum(lengths) - lengths] = False
         if differs.any():
             return True
     return False

@@ -8,6 +8,7 @@ temporary directory and are never reloaded. `LAYOUT_VERSION` is part of the fing
 file written with another column layout is never read as this one.
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -73,8 +74,10 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
 
 class PackedWriter:
     """
-    Collects the packed rows chunk by chunk: each chunk is written to `target.path` at once (through a temporary file,
-    renamed when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`.
+    Collects the packed rows chunk by chunk: each chunk is written to `target.path` (through a temporary file, renamed
+    when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`. Writes run on
+    a thread of their own, so that the next rows are gathered while the last ones are copied to the file: `write`
+    returns a future, done once the chunk's arrays may be reused.
     """
 
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
@@ -83,6 +86,7 @@ class PackedWriter:
             {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
         self.schema = schema.with_metadata(metadata)
         self._tables = []
+        self._written = []  # futures of the chunks handed to the writing thread
         self._writer = None
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
@@ -91,23 +95,30 @@ class PackedWriter:
             os.close(handle)
             self._file = pa.OSFile(self._temporary, "wb")  # native writes: a Python file object copies every chunk
             self._writer = pa.ipc.new_stream(self._file, self.schema)
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llm_packing-writer")
 
     @property
     def reuses_buffers(self) -> bool:
         """Whether a chunk's arrays may be overwritten once `write` returns (they are on disk, not held)."""
         return self._writer is not None
 
-    def write(self, table: pa.Table) -> None:
+    def write(self, table: pa.Table) -> concurrent.futures.Future:
         if self._writer is None:
             self._tables.append(table)
-        else:
-            self._writer.write_table(table, max_chunksize=_ROWS_PER_RECORD_BATCH)
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        self._written.append(self._thread.submit(self._writer.write_table, table, max_chunksize=_ROWS_PER_RECORD_BATCH))
+        return self._written[-1]
 
     def finish(self, split) -> datasets.Dataset:
         if self._writer is None:
             table = pa.concat_tables(self._tables) if self._tables else self.schema.empty_table()
             return _dataset(datasets.table.InMemoryTable(table.replace_schema_metadata(self.schema.metadata)), split,
                             self.target.fingerprint)
+        self._thread.shutdown()
+        for written in self._written:
+            written.result()  # raises the error of a failed write
         self._writer.close()
         self._file.close()
         os.replace(self._temporary, self.target.path)
@@ -115,6 +126,7 @@ class PackedWriter:
 
     def abort(self) -> None:
         if self._writer is not None:
+            self._thread.shutdown(cancel_futures=True)
             self._file.close()
             os.remove(self._temporary)
 

@@ -27,6 +27,7 @@ class TokenColumn:
         table (`pa.Table`): The tokenized examples, any number of chunks.
         name (`str`): The column.
         lengths (`np.ndarray`, *optional*): The `input_ids` row lengths this column must match.
+        pages ([`~llm_packing.resident_pages.ResidentPages`], *optional*): Checked after each window the checks read.
 
     Example:
     ```python
@@ -41,7 +42,7 @@ class TokenColumn:
     ```
     """
 
-    def __init__(self, table: pa.Table, name: str, lengths: np.ndarray | None = None):
+    def __init__(self, table: pa.Table, name: str, lengths: np.ndarray | None = None, pages=None):
         column = table.column(name)
         self.name = name
         if len(column) == 0 and pa.types.is_null(column.type):  # `Dataset.from_dict({"input_ids": []})` has no type
@@ -49,15 +50,19 @@ class TokenColumn:
         self.lengths = _checked_lengths(column, name, lengths)
         if pa.types.is_null(column.type.value_type):
             column = column.cast(pa.list_(pa.int32()))  # only empty lists: nothing to read, one type to read it as
-        _check_values(column, name, self.lengths)
+        _check_values(column, name, self.lengths, pages)
         self._chunks = column.chunks  # keeps the buffers that `_span` points into alive
-        self._bits = pa.types.is_boolean(column.type.value_type)  # Arrow packs booleans 8 to a byte
-        dtype = np.dtype(np.uint8 if self._bits else column.type.value_type.to_pandas_dtype())
-        self._span, self.row_start = _span(self._chunks, dtype, self._bits, len(self.lengths))
+        self.bits = pa.types.is_boolean(column.type.value_type)  # Arrow packs booleans 8 to a byte
+        dtype = np.dtype(np.uint8 if self.bits else column.type.value_type.to_pandas_dtype())
+        self._span, self.row_start = _span(self._chunks, dtype, self.bits, len(self.lengths))
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep `rows` only, in that order (an indices mapping: `select`, `shuffle`, `filter`); values are not moved."""
+        self.lengths, self.row_start = self.lengths[rows], self.row_start[rows]
 
     def take(self, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The values at `index` (built from `row_start`), as `int32` (masks: 0/1 `uint8`), into `out` if given."""
-        if self._bits:
+        if self.bits:
             return (self._span.take(index >> 3, mode="clip") >> (index & 7).astype(np.uint8)) & 1
         # In range by construction: "clip" skips the per-index check that "raise" makes (~30%).
         if out is not None and out.dtype == self._span.dtype:
@@ -69,8 +74,10 @@ class TokenColumn:
         return out
 
 
-def row_windows(lengths: np.ndarray, window: int = _CHECK_WINDOW):
-    """`(first_row, last_row)` ranges of about `window` tokens (at least one row each) covering every row."""
+def row_windows(lengths: np.ndarray, window: int | None = None):
+    """`(first_row, last_row)` ranges of about `window` tokens (default `_CHECK_WINDOW`; at least one row each)
+    covering every row."""
+    window = window or _CHECK_WINDOW
     ends = np.cumsum(lengths)
     first = 0
     while first < len(lengths):
@@ -105,8 +112,9 @@ def _checked_lengths(column: pa.ChunkedArray, name: str, lengths: np.ndarray | N
     return column_lengths
 
 
-def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> None:
-    """No null inside a list; ids in [0, INT32_MAX]; labels also -100 (masks: any integer or boolean)."""
+def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray, pages) -> None:
+    """No null inside a list; ids in [0, INT32_MAX]; labels also -100 (masks: any integer or boolean). Read a window
+    at a time, so that `pages` can give back what was read."""
     nulls = pc.list_flatten(column).null_count
     if nulls:
         raise PackingValueError(
@@ -115,20 +123,32 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray) -> No
     if name in MASK_COLUMNS:
         return
     low = 0 if name == "input_ids" else IGNORE_INDEX
-    extremes = pc.min_max(pc.list_flatten(column)).as_py()  # streams over the chunks: nothing combined
-    if extremes["min"] is not None and (extremes["min"] < low or extremes["max"] > INT32_MAX):
-        bad = extremes["min"] if extremes["min"] < low else extremes["max"]
+    lows, highs = [], []
+    for first, last in row_windows(lengths):
+        extremes = pc.min_max(pc.list_flatten(column.slice(first, last - first))).as_py()  # streams: nothing copied
+        if extremes["min"] is not None:
+            lows.append(extremes["min"])
+            highs.append(extremes["max"])
+        _check_pages(pages)
+    if lows and (min(lows) < low or max(highs) > INT32_MAX):
+        bad = min(lows) if min(lows) < low else max(highs)
         raise token_error(name, f"Column {name!r}", bad)
-    if low == 0 or extremes["min"] is None or extremes["min"] >= 0:
+    if low == 0 or not lows or min(lows) >= 0:
         return
     row_ends = np.cumsum(lengths)
     for first, last in row_windows(lengths):
         values = flat_values(column, first, last)
+        _check_pages(pages)
         wrong = invalid_tokens(values, name)
         if wrong.any():
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))
             raise token_error(name, f"Column {name!r} in row {row}", int(values[np.argmax(wrong)]))
+
+
+def _check_pages(pages) -> None:
+    if pages is not None:
+        pages.check()
 
 
 def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
