@@ -6,7 +6,7 @@
 
 Both paths run TRL's own fused LM head (`trl.trainer.utils.add_fused_lm_head`, what `DPOTrainer` and `GRPOTrainer`
 install): "padded" calls it on TRL's padded batch, "packed" through `llm_packing.padded_forward.pack_fused_lm_head`
-with `configure_packing` (the real tokens of the batch in one row for GRPO, rows of `--max-length` for DPO).
+with `configure_packing` (the real tokens of each batch in one row, as `PackedDPOTrainer` and `PackedGRPOTrainer` do).
 - DPO step: `--pairs` preference pairs of `load_chitchat_preference_pairs` (demo tokenizer, chat template), collated
   by TRL's `DataCollatorForPreference` (chosen rows then rejected rows, right padding): policy forward + backward and
   reference forward (no grad), the sigmoid loss on the summed completion log-probs, as `DPOTrainer` computes them.
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--pairs", type=int, default=8, help="pairs per DPO step; prompts per GRPO step (x4)")
-    parser.add_argument("--max-length", type=int, default=1024, help="DPO: longest pair, tokens per packed row")
+    parser.add_argument("--max-length", type=int, default=1024, help="DPO: longest pair kept")
     parser.add_argument("--steps", type=int, default=3, help="steps per path per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=os.path.join(RESULTS, "dpo_grpo_throughput"))
@@ -186,7 +186,7 @@ def measure_throughput(args) -> dict:
                                                      ("log_probs",)), strict=True):
             model.__dict__.pop("forward", None)
             add_fused_lm_head(model, outputs=outputs)
-        set_packed(*models["packed"], packed=True, max_length=args.max_length if step == "dpo" else None)
+        set_packed(*models["packed"], packed=True, max_length=None)
         for path in ("padded", "packed"):
             timed(args, *models[path], step, step_batches[:1])  # warm-up
         times = {"padded": [], "packed": []}
@@ -207,7 +207,7 @@ def measure_memory(args) -> dict:
     step, path = args.memory_of.split(":")
     policy, reference = build(args)
     dpo, grpo = batches(args)
-    set_packed(policy, reference, packed=path == "packed", max_length=args.max_length if step == "dpo" else None)
+    set_packed(policy, reference, packed=path == "packed", max_length=None)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()

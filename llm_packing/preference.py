@@ -20,7 +20,7 @@ from .padded_forward import pack_trainer_models
 class PackedDPOTrainer(DPOTrainer):
     """
     TRL's [`~trl.DPOTrainer`] whose policy and reference forwards run packed: the real tokens of each padded batch of
-    chosen and rejected sequences go into packed rows of at most `DPOConfig.max_length` tokens, isolated by
+    chosen and rejected sequences go into one packed row per batch, isolated by
     [`~llm_packing.configure_packing`], and the per-token log-probs come back in TRL's padded layout.
 
     Takes the same arguments as `DPOTrainer`. On top of it:
@@ -71,10 +71,11 @@ class PackedDPOTrainer(DPOTrainer):
         if isinstance(self.data_collator, DataCollatorForPreference):
             # The packed forward refuses an over-long sequence; TRL's collator would cut it first.
             self.data_collator.max_length = None
-        pack_trainer_models(self, max_length=max_length, verify=verify_packing)
+        # One packed row per batch: the varlen route keeps attention per sequence, and no row is left part empty.
+        pack_trainer_models(self, max_length=None, verify=verify_packing)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        _check_batch(inputs)
+        _check_batch(inputs, self.args.max_length)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -111,9 +112,16 @@ def _check_pairs(name: str, dataset, max_length: int | None) -> None:
             )
 
 
-def _check_batch(inputs: dict) -> None:
+def _check_batch(inputs: dict, max_length: int | None) -> None:
     """The same refusals at the batch, for datasets that could not be checked up front (iterable, untokenized)."""
     input_ids, completion_mask = inputs["input_ids"], inputs["completion_mask"]
+    longest = int(inputs["attention_mask"].sum(dim=1).max())
+    if max_length is not None and longest > max_length:
+        raise SequenceTooLongError(
+            f"A batch holds a prompt + completion of {longest} tokens, more than `max_length`={max_length}. TRL would "
+            f"cut it; packing refuses to train on a cut sequence. Raise `DPOConfig.max_length` to at least {longest} "
+            "or drop the long pairs."
+        )
     if input_ids.shape != completion_mask.shape or input_ids.shape[0] % 2:
         raise PackingValueError(
             f"A DPO batch needs as many chosen as rejected rows and one `completion_mask` per token: got `input_ids` "

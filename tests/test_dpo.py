@@ -197,5 +197,9 @@ def test_a_batch_with_mismatched_prompt_and_completion_is_refused(tmp_path):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(BATCH)])
     with pytest.raises(PackingValueError, match="as many chosen as rejected"):
         trainer.compute_loss(trainer.model, {**batch, "completion_mask": batch["completion_mask"][:, 1:]})
+    trainer.args.max_length = 4
+    with pytest.raises(SequenceTooLongError, match="`max_length`=4"):
+        trainer.compute_loss(trainer.model, batch)
+    trainer.args.max_length = 32
     with pytest.raises(PackingValueError, match="empty completion"):
         trainer.compute_loss(trainer.model, {**batch, "completion_mask": torch.zeros_like(batch["completion_mask"])})
