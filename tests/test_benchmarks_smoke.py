@@ -14,11 +14,12 @@ BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 @pytest.mark.slow
 def test_train_throughput_tiny(tmp_path):
     output = tmp_path / "train_throughput"
-    subprocess.run([sys.executable, BENCHMARK, "--model", "tiny", "--max-length", "128", "--warmup", "1", "--steps",
-                    "1", "--max-samples", "100", "--output", str(output)], check=True, capture_output=True)
+    subprocess.run([sys.executable, BENCHMARK, "--model", "tiny", "--also", "--max-length", "128", "--warmup", "1",
+                    "--steps", "2", "--rounds", "2", "--max-samples", "100", "--output", str(output)], check=True,
+                   capture_output=True)
     report = (tmp_path / "train_throughput.md").read_text()
     assert (tmp_path / "train_throughput.png").stat().st_size > 0
-    for dataset in ("## conversations", "## lognormal", "## Targets"):
+    for dataset in ("## conversations: tiny model", "## lognormal: tiny model", "## Targets: tiny model"):
         assert dataset in report
     rows = [line for line in report.splitlines() if line.startswith("| ") and "configuration" not in line]
     assert len(rows) == 18
@@ -26,6 +27,11 @@ def test_train_throughput_tiny(tmp_path):
     skipped = [row for row in rows if "skipped" in row]
     assert all("flex_attention" in row for row in skipped), skipped
     assert "exit code" not in report
+    # Packed configurations train on full packed rows, not on the documents they were packed from.
+    header = next(line for line in report.splitlines() if line.startswith("| configuration"))
+    padding = [cell.strip() for cell in header.split("|")].index("padding")
+    packed = [row for row in rows if row.startswith("| llm_packing rows | sdpa")]
+    assert packed and all(float(row.split("|")[padding].strip(" %")) < 5 for row in packed), packed
 
 
 @pytest.mark.slow
