@@ -30,7 +30,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, set_seed  # noqa: E402
+from transformers import TrainerCallback, set_seed  # noqa: E402
 from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config  # noqa: E402
 
 from .checks import check_integer  # noqa: E402
@@ -40,8 +40,8 @@ from .dataset import pack_dataset  # noqa: E402
 from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents  # noqa: E402
 from .errors import PackingValueError, UnsupportedSetupError  # noqa: E402
 from .patch import packing_configured  # noqa: E402
-from .pretrained import BUNDLED_MODEL_NAME, load_bundled_model  # noqa: E402
 from .sample_reply import sample_reply  # noqa: E402
+from .train_setup import load_model, setup_logging  # noqa: E402
 from .trainer import PackedSFTTrainer  # noqa: E402
 
 
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None):
 
 def train(script_args, training_args, model_args, packing_args):
     """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
-    _setup_logging(training_args)
+    setup_logging(training_args)
     set_seed(training_args.seed)  # a randomly initialised model is the same on every rank and every run
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
                                revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -353,42 +353,9 @@ def _warn_if_mostly_split(stats, num_documents: int, max_length: int) -> None:
         )
 
 
-def load_model(script_args, model_args, training_args, tokenizer):
-    """`model_name_or_path` loaded, or a randomly initialised model built from `model_config`."""
-    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
-    if model_args.model_name_or_path == BUNDLED_MODEL_NAME:
-        model = load_bundled_model(dtype=torch.float32 if dtype == "auto" else dtype,
-                                   attn_implementation=model_args.attn_implementation)
-    elif script_args.model_config is None:
-        kwargs = dict(revision=model_args.model_revision, dtype=dtype, trust_remote_code=training_args.trust_remote_code,
-                      attn_implementation=model_args.attn_implementation, **(training_args.model_init_kwargs or {}))
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
-    else:
-        block = dict(script_args.model_config)
-        block.setdefault("vocab_size", len(tokenizer))
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            block.setdefault(name, getattr(tokenizer, name))
-        config = AutoConfig.for_model(block.pop("model_type", "llama"), **block)
-        model = AutoModelForCausalLM.from_config(config, dtype=None if dtype == "auto" else dtype,
-                                                 attn_implementation=model_args.attn_implementation)
-    # With a cache, transformers stops detecting packed documents from `position_ids`; training needs none.
-    model.config.use_cache = False
-    return model
-
-
 def _log_sample_reply(prompt, model, tokenizer, when) -> None:
     if prompt is not None:
         logger.info("%s, reply to %r: %r", when, prompt, sample_reply(model, tokenizer, prompt))
-
-
-def _setup_logging(training_args) -> None:
-    package_logger = logging.getLogger("llm_packing")
-    if not package_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-    # Every rank does the same work: one of them tells it. The others speak up only for errors.
-    package_logger.setLevel(logging.INFO if training_args.process_index == 0 else logging.ERROR)
 
 
 class _BatchCounter(TrainerCallback):

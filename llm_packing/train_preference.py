@@ -20,6 +20,7 @@ from .demo_data import DEMO_DATASET_NAME, load_chitchat_preference_pairs
 from .documents import load_documents, load_tokenizer
 from .errors import PackingValueError
 from .patch import unconfigure_packing
+from .train_setup import load_model, setup_logging
 
 
 logger = logging.getLogger("llm_packing.train")
@@ -56,7 +57,6 @@ def train_preference(script_args, training_args, model_args, packing_args):
     """Train with `PackedDPOTrainer` or `PackedGRPOTrainer` as the parsed recipe says; returns the `TrainOutput`."""
     from .grpo import PackedGRPOTrainer
     from .preference import PackedDPOTrainer
-    from .train import _setup_logging, load_model
 
     if not packing_args.block_diag_attn or packing_args.padding_free:
         raise PackingValueError(
@@ -64,7 +64,7 @@ def train_preference(script_args, training_args, model_args, packing_args):
             f"{packing_args.block_diag_attn}`, `padding_free: {packing_args.padding_free}`. Remove both keys, or train "
             f"unpacked with TRL's own `trl {script_args.trainer}` command."
         )
-    _setup_logging(training_args)
+    setup_logging(training_args)
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
                                revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)

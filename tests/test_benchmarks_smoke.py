@@ -15,7 +15,7 @@ BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def test_train_throughput_tiny(tmp_path):
     output = tmp_path / "train_throughput"
     subprocess.run([sys.executable, BENCHMARK, "--model", "tiny", "--also", "--max-length", "128", "--warmup", "1",
-                    "--steps", "2", "--rounds", "2", "--max-samples", "100", "--output", str(output)], check=True,
+                    "--steps", "2", "--rounds", "1", "--max-samples", "100", "--output", str(output)], check=True,
                    capture_output=True)
     report = (tmp_path / "train_throughput.md").read_text()
     assert (tmp_path / "train_throughput.png").stat().st_size > 0

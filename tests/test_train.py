@@ -21,7 +21,8 @@ from transformers import set_seed
 
 from llm_packing.documents import load_documents, load_tokenizer, tokenize_documents
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
-from llm_packing.train import load_model, main, parse_args
+from llm_packing.train import main, parse_args
+from llm_packing.train_setup import load_model
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
