@@ -125,3 +125,19 @@ def test_committed_support_matrix_is_what_the_generator_prints():
     assert committed == support_matrix.support_matrix_markdown(), (
         "docs/support_matrix.md is stale: run `python -m llm_packing.support_matrix > docs/support_matrix.md`"
     )
+
+
+def test_readme_counts_are_the_tables():
+    """The README's supported and refused counts are `supported_model_types()` and the refused table, so a type added
+    to or dropped from the matrix cannot leave the README's headline behind."""
+    import re
+
+    from llm_packing.architectures import _refused_model_types
+
+    with open(os.path.join(os.path.dirname(DOC), os.pardir, "README.md"), encoding="utf-8") as handle:
+        readme = " ".join(handle.read().split())
+    supported = re.search(r"(\d+) model types are supported", readme)
+    refused = re.search(r"The other (\d+) causal LMs are refused", readme)
+    assert supported and refused, "the README's support paragraph changed wording: update this test with it"
+    assert int(supported.group(1)) == len(supported_model_types())
+    assert int(refused.group(1)) == len(_refused_model_types())
