@@ -18,13 +18,55 @@ from .layout import MASK_BUILDER_NAMES
 # (`cache_position` until 5.9) and no packed-sequence support for sdpa/eager/flex; above the maximum we still run,
 # after the internals check below, and warn once.
 MIN_TRANSFORMERS_VERSION = "5.23.0"
-MAX_TESTED_TRANSFORMERS_VERSION = "5.23.0"
+MAX_TESTED_TRANSFORMERS_VERSION = "5.24.0"
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
-# Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites. `cache_position` was removed in
-# 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
-MASK_BUILDER_PARAMETERS = ("config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids")
+# Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites, besides the cache. `cache_position`
+# was removed in 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
+MASK_BUILDER_PARAMETERS = ("config", "inputs_embeds", "attention_mask", "position_ids")
+
+# What the cache argument is called, newest first: 5.24 renamed the mask builders' and models' `past_key_values` and the
+# SSM mixers' `cache_params` to `cache` (the old names stay as deprecated aliases until 5.40).
+CACHE_PARAMETER_NAMES = ("cache", "past_key_values", "cache_params")
+
+
+def cache_parameter(function) -> str | None:
+    """The name `function` gives its cache argument (see `CACHE_PARAMETER_NAMES`), or None if it takes none.
+
+    Example:
+    ```python
+    >>> from llm_packing._compat import cache_parameter
+    >>> cache_parameter(lambda hidden_states, cache_params=None: None)
+    'cache_params'
+
+    ```
+    """
+    parameters = inspect.signature(function).parameters
+    return next((name for name in CACHE_PARAMETER_NAMES if name in parameters), None)
+
+
+def rename_legacy_cache_argument(kwargs: dict, signature: inspect.Signature) -> dict:
+    """`kwargs` with a deprecated cache name (`past_key_values=` to a 5.24 builder) moved to the one `signature` takes,
+    so that binding them neither fails nor hides the cache from the hook.
+
+    Example:
+    ```python
+    >>> import inspect
+    >>> from llm_packing._compat import rename_legacy_cache_argument
+    >>> rename_legacy_cache_argument({"past_key_values": None}, inspect.signature(lambda cache=None: None))
+    {'cache': None}
+
+    ```
+    """
+    current = next((name for name in CACHE_PARAMETER_NAMES if name in signature.parameters), None)
+    legacy = [name for name in CACHE_PARAMETER_NAMES if name in kwargs and name not in signature.parameters]
+    if current is None or not legacy or current in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    kwargs[current] = kwargs.pop(legacy[0])
+    return kwargs
+
 
 _warned_untested = False
 
@@ -42,6 +84,8 @@ def check_transformers_internals() -> None:
         if builder is None:
             raise _incompatible(f"`transformers.masking_utils.{name}` is missing")
         missing = [p for p in MASK_BUILDER_PARAMETERS if p not in inspect.signature(builder).parameters]
+        if cache_parameter(builder) is None:
+            missing.append(" or ".join(CACHE_PARAMETER_NAMES[:2]))
         if missing:
             raise _incompatible(f"`transformers.masking_utils.{name}` has no parameter(s) {missing}")
     for name in ("ALL_MASK_ATTENTION_FUNCTIONS", "flash_attention_mask", "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING"):

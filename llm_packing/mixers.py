@@ -28,7 +28,8 @@ import weakref
 import numpy as np
 import torch
 
-from .errors import ContaminationError, UnsupportedSetupError
+from . import _compat
+from .errors import ContaminationError, IncompatibleTransformersError, UnsupportedSetupError
 from .masks import _is_integer_2d, document_runs, document_spans, host_copy, validate_document_ids
 
 
@@ -38,7 +39,8 @@ class MixerCall:
 
     hidden: str = "hidden_states"
     mask: str = "attention_mask"
-    cache: str = "cache_params"
+    # None: the cache argument under the name this transformers gives it (`_compat.CACHE_PARAMETER_NAMES`).
+    cache: str | None = None
     # Returns `(output, final recurrent state)`; without a cache the caller drops the state, which per document
     # group has no packed layout to go back to, so the wrapper returns `(output, None)`.
     returns_state: bool = False
@@ -51,7 +53,6 @@ class MixerCall:
 
 
 _CACHE_PARAMS = MixerCall()
-_PAST_KEY_VALUES = MixerCall(cache="past_key_values")
 
 # model_type -> (modeling module, {mixer class name: how to call it}). Model types that share a module list it.
 MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
@@ -65,9 +66,9 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "falcon_h1": ("falcon_h1", {"FalconH1Mixer": _CACHE_PARAMS}),
     "bamba": ("bamba", {"BambaMixer": _CACHE_PARAMS}),
     "mamba2": ("mamba2", {"Mamba2Mixer": _CACHE_PARAMS}),
-    "lfm2": ("lfm2", {"Lfm2ShortConv": _PAST_KEY_VALUES}),
-    "lfm2_moe": ("lfm2_moe", {"Lfm2MoeShortConv": _PAST_KEY_VALUES}),
-    "lfm3": ("lfm3", {"Lfm3ShortConv": _PAST_KEY_VALUES}),
+    "lfm2": ("lfm2", {"Lfm2ShortConv": _CACHE_PARAMS}),
+    "lfm2_moe": ("lfm2_moe", {"Lfm2MoeShortConv": _CACHE_PARAMS}),
+    "lfm3": ("lfm3", {"Lfm3ShortConv": _CACHE_PARAMS}),
     "jamba": ("jamba", {"JambaMambaMixer": _CACHE_PARAMS}),
     "zamba": ("zamba", {"ZambaMambaMixer": _CACHE_PARAMS}),
     "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
@@ -78,13 +79,13 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     # dilated causal conv, so the ids are re-batched with the hidden states.
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), ("qwen4_exp", {
         "Qwen4ExpTextGatedDeltaNet": _CACHE_PARAMS,
-        "Qwen4ExpTextPLELayer": MixerCall(mask="conv_mask", cache="past_key_values", per_token=("input_ids",)),
+        "Qwen4ExpTextPLELayer": MixerCall(mask="conv_mask", per_token=("input_ids",)),
     })),
     # Compressed convolutional attention: a causal conv over queries and keys, values delayed by one token.
-    "zaya": ("zaya", {"ZayaCCAProjection": MixerCall(mask="conv_mask", cache="past_key_values")}),
+    "zaya": ("zaya", {"ZayaCCAProjection": MixerCall(mask="conv_mask")}),
     # Short convolutions on the keys, values and residual streams of every layer.
-    "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
-    "inkling2_text": ("inkling2", {"Inkling2ShortConvolution": MixerCall(mask="conv_mask", cache="past_key_values")}),
+    "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask")}),
+    "inkling2_text": ("inkling2", {"Inkling2ShortConvolution": MixerCall(mask="conv_mask")}),
     # Griffin's recurrent block: a causal conv, then the RG-LRU, which resets its state where `position_ids` is 0.
     "recurrent_gemma": (
         "recurrent_gemma",
@@ -98,7 +99,7 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     # Pure SSMs: the model hands its 2-D mask straight to every mixer.
     "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
     "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
-    "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(cache="past_key_values", returns_state=True)}),
+    "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(returns_state=True)}),
 }
 
 # Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
@@ -168,12 +169,24 @@ def _looks_like_mixer(module: torch.nn.Module) -> bool:
 
 def _wrap_forward(forward, call: MixerCall):
     signature = inspect.signature(forward)
+    cache_name = call.cache or _compat.cache_parameter(forward)
+    documents_name = call.mask if call.documents == "mask" else call.documents
+    expected = (call.hidden, call.mask, documents_name, cache_name, *call.per_token)
+    missing = [name for name in expected if name not in signature.parameters]
+    if missing:
+        raise IncompatibleTransformersError(
+            f"Cannot isolate the documents in `{forward.__qualname__}`: it takes no {missing} argument(s) (installed "
+            f"transformers {_compat.TRANSFORMERS_VERSION}; llm_packing is tested with "
+            f"{_compat.MIN_TRANSFORMERS_VERSION} to {_compat.MAX_TESTED_TRANSFORMERS_VERSION}). Install a tested "
+            f"version, e.g. `pip install transformers=={_compat.MAX_TESTED_TRANSFORMERS_VERSION}`."
+        )
 
     @functools.wraps(forward)
     def forward_per_document(*args, **kwargs):
+        kwargs = _compat.rename_legacy_cache_argument(kwargs, signature)
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
-        documents = arguments.get(call.mask if call.documents == "mask" else call.documents)
+        documents = arguments.get(documents_name)
         if not _is_integer_2d(documents):
             return forward(*args, **kwargs)
         batch_size = arguments[call.hidden].shape[0]
@@ -184,17 +197,17 @@ def _wrap_forward(forward, call: MixerCall):
             return forward(*args, **kwargs)
         module = arguments["self"]
         # A cache object, or `use_cache=True` for a mixer that keeps its state on itself.
-        if arguments.get(call.cache) not in (None, False):
+        if arguments.get(cache_name) not in (None, False):
             raise ContaminationError(
                 f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
-                f"(`{call.cache}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
+                f"(`{cache_name}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
                 "into the next. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = "
                 "False`."
             )
         hidden_states = arguments.pop(call.hidden)
         per_token = {name: arguments.pop(name) for name in call.per_token}
         arguments[call.mask] = None
-        arguments[call.cache] = None
+        arguments[cache_name] = None
         extra = arguments.pop(_var_keyword(signature), {})
         extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
         arguments.pop("self")

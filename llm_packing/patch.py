@@ -228,9 +228,11 @@ def _wrap_unpad(original):
 
 def _wrap_builder(original):
     signature = inspect.signature(original)
+    cache_name = _compat.cache_parameter(original)
 
     @functools.wraps(original)
     def build_mask_with_documents(*args, **kwargs):
+        kwargs = _compat.rename_legacy_cache_argument(kwargs, signature)
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
         attention_mask = arguments.get("attention_mask")
@@ -247,7 +249,7 @@ def _wrap_builder(original):
         if not _check_documents(attention_mask, position_ids):
             return original(*args, **kwargs)
         config = arguments["config"]
-        if arguments.get("past_key_values") is not None:
+        if arguments.get(cache_name) is not None:
             raise ContaminationError(
                 "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
                 f"(`use_cache=True`, model_type {getattr(config, 'model_type', '?')!r}): the cache would mix the "
