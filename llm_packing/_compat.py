@@ -15,9 +15,10 @@ from .layout import MASK_BUILDER_NAMES
 
 
 # The versions the parity matrix has run against. Below the minimum the builders had other signatures
-# (`cache_position` until 5.9) and no packed-sequence support for sdpa/eager/flex; above the maximum we still run,
-# after the internals check below, and warn once.
-MIN_TRANSFORMERS_VERSION = "5.23.0"
+# (`cache_position` until 5.9), no packed-sequence support for sdpa/eager/flex (before 5.23), and other model types
+# (5.24 added seven causal LMs; the architecture table is that of 5.24); above the maximum we still run, after the
+# internals check below, and warn once.
+MIN_TRANSFORMERS_VERSION = "5.24.0"
 MAX_TESTED_TRANSFORMERS_VERSION = "5.24.0"
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 import threading
 import weakref
 
@@ -83,9 +84,18 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     })),
     # Compressed convolutional attention: a causal conv over queries and keys, values delayed by one token.
     "zaya": ("zaya", {"ZayaCCAProjection": MixerCall(mask="conv_mask")}),
-    # Short convolutions on the keys, values and residual streams of every layer.
+    # Short convolutions on the keys, values and residual streams of every layer; Inkling 2's full-attention layers
+    # convolve keys and values with taps projected from each token (`dynamic_input`), which own no Conv1d.
     "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask")}),
-    "inkling2_text": ("inkling2", {"Inkling2ShortConvolution": MixerCall(mask="conv_mask")}),
+    "inkling2_text": ("inkling2", {
+        "Inkling2ShortConvolution": MixerCall(mask="conv_mask"),
+        "Inkling2DynamicShortConvolution": MixerCall(mask="conv_mask", per_token=("dynamic_input",)),
+    }),
+    "inkling2_loop_text": ("inkling2_loop", {
+        "Inkling2LoopShortConvolution": MixerCall(mask="conv_mask"),
+        "Inkling2LoopDynamicShortConvolution": MixerCall(mask="conv_mask", per_token=("dynamic_input",)),
+    }),
+    "lara_mini": ("lara_mini", {"LaraMiniGatedDeltaNet": _CACHE_PARAMS}),
     # Griffin's recurrent block: a causal conv, then the RG-LRU, which resets its state where `position_ids` is 0.
     "recurrent_gemma": (
         "recurrent_gemma",
@@ -163,8 +173,14 @@ _TOWER_WORDS = ("audio", "vision", "visual", "image", "speech")
 
 
 def _looks_like_mixer(module: torch.nn.Module) -> bool:
-    """Every conv, SSM and delta-net mixer of transformers owns the short causal convolution that carries state."""
-    return any(isinstance(child, torch.nn.Conv1d) for child in module.children())
+    """Every conv, SSM and delta-net mixer of transformers owns the short causal convolution that carries state, or
+    is one under its own name (Inkling 2's dynamic short convolution holds its taps as plain weights)."""
+    return any(isinstance(child, torch.nn.Conv1d) for child in module.children()) or bool(
+        _SHORT_CONVOLUTION_NAME.search(type(module).__name__)
+    )
+
+
+_SHORT_CONVOLUTION_NAME = re.compile(r"(Short|Causal)Conv")
 
 
 def _wrap_forward(forward, call: MixerCall):

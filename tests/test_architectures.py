@@ -27,7 +27,7 @@ REQUIRED = (
 )  # fmt: skip
 # The generic refusal of a candidate that no one has run through the matrix yet (see `refusal_reason`).
 UNDECIDED = "not verified by llm_packing's parity matrix for this transformers version"
-KNOWN_UNDECIDED = set()  # every candidate of transformers 5.23 is verified or refused by hand
+KNOWN_UNDECIDED = set()  # every candidate of transformers 5.24 is verified or refused by hand
 
 
 def test_required_architectures_are_supported_and_at_least_forty():
@@ -138,6 +138,8 @@ def test_readme_counts_are_the_tables():
         readme = " ".join(handle.read().split())
     supported = re.search(r"(\d+) model types are supported", readme)
     refused = re.search(r"The other (\d+) causal LMs are refused", readme)
-    assert supported and refused, "the README's support paragraph changed wording: update this test with it"
-    assert int(supported.group(1)) == len(supported_model_types())
+    hybrids = re.search(r"Hybrid and recurrent models are among the (\d+): (\d+) types", readme)
+    assert supported and refused and hybrids, "the README's support paragraphs changed wording: update this test"
+    assert int(supported.group(1)) == int(hybrids.group(1)) == len(supported_model_types())
     assert int(refused.group(1)) == len(_refused_model_types())
+    assert int(hybrids.group(2)) == len(MIXERS)

@@ -32,6 +32,7 @@ MIXER_KINDS = {
     "rg-lru, reset by position_ids": ("recurrent_gemma", "sdpa"),
     "compressed convolutional attention": ("zaya", "sdpa"),
     "gated delta net and n-gram embeddings": ("qwen4_exp_text", "sdpa"),
+    "short conv and dynamic short conv on keys and values": ("inkling2_text", "eager"),
 }
 
 
@@ -86,6 +87,17 @@ def test_mixer_missing_from_the_table_is_refused(monkeypatch):
     assert not mixers._originals
 
 
+def test_short_convolution_without_a_conv1d_missing_from_the_table_is_refused(monkeypatch):
+    """Inkling 2's dynamic short convolution holds its taps as plain weights (no Conv1d child): its name marks it."""
+    model = tiny_model("inkling2_text", "eager")
+    module_name, calls = MIXERS["inkling2_text"]
+    static_only = {name: call for name, call in calls.items() if "Dynamic" not in name}
+    monkeypatch.setitem(MIXERS, "inkling2_text", (module_name, static_only))
+    with pytest.raises(UnsupportedSetupError, match="Inkling2DynamicShortConvolution.*does not isolate"):
+        configure_packing(model)
+    assert not mixers._originals
+
+
 def test_documents_read_from_position_ids_shared_by_every_row():
     """recurrent_gemma's block reads the documents from `position_ids`; one row of them serves every row."""
     model = tiny_model("recurrent_gemma")
@@ -98,14 +110,18 @@ def test_documents_read_from_position_ids_shared_by_every_row():
     assert _max_differences(model, batch)[0] > 10 * TOLERANCE  # without the hook, the same batch leaks
 
 
-@pytest.mark.parametrize("mixer", ["Qwen4ExpTextPLELayer", "Qwen4ExpTextGatedDeltaNet"])
-def test_every_mixer_of_a_layer_is_needed(mixer):
+@pytest.mark.parametrize(("model_type", "mixer"), [
+    ("qwen4_exp_text", "Qwen4ExpTextPLELayer"), ("qwen4_exp_text", "Qwen4ExpTextGatedDeltaNet"),
+    ("inkling2_text", "Inkling2ShortConvolution"), ("inkling2_text", "Inkling2DynamicShortConvolution"),
+])
+def test_every_mixer_of_a_layer_is_needed(model_type, mixer):
     """Negative control per mixer kind of a type with two: Qwen4Exp's n-gram embeddings (hashed token n-grams and a
-    dilated conv) leak on their own when the gated delta net is isolated, and the other way round."""
-    model = tiny_model("qwen4_exp_text")
+    dilated conv) leak on their own when the gated delta net is isolated, and the other way round; so do Inkling 2's
+    static short convolutions and the dynamic ones of its full-attention layers."""
+    model = tiny_model(model_type, "eager")
     batch = packed_batch()
     with packing_configured(model):
-        cls = next(cls for cls in mixers.mixer_classes("qwen4_exp_text") if cls.__name__ == mixer)
+        cls = next(cls for cls in mixers.mixer_classes(model_type) if cls.__name__ == mixer)
         cls.forward = mixers._originals[cls]  # this one left on the packed row; unconfiguring restores it anyway
         logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
     assert logit_difference > 10 * TOLERANCE

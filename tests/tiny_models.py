@@ -20,9 +20,10 @@ VOCAB_SIZE = 128
 MAX_PARAMETERS = 8_000_000
 
 # Generic shrink: config field -> tiny value, applied when the default config has the field.
+_LAYER_COUNTS = {"num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"}
 _SHRINK = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model"), 64),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"), 2),
+    **dict.fromkeys(_LAYER_COUNTS, 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads"), 4),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads"), 2),
     **dict.fromkeys(("intermediate_size", "ffn_hidden_size", "ffn_dim", "decoder_ffn_dim", "n_inner"), 128),
@@ -38,8 +39,7 @@ _SHRINK = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
-    "vocab_size": VOCAB_SIZE,
-    "vocab_size_per_layer_input": VOCAB_SIZE,
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size"), VOCAB_SIZE),
     "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
     "sliding_window": WINDOW,
@@ -73,6 +73,10 @@ _QWEN4_EXP_TEXT = {
     "layer_types": ["linear_attention", "indexed_attention"], "ple_layer_ids": [1], "ple_embed_dim": 64,
     "ngram_vocab_size_base": 1000, "hc_lowrank": 16, "eos_token_id": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1,
     "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2,
+}
+_DOTS3_SLIDING = {
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16,
+    "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16,
 }
 _TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
 ARCH_OVERRIDES: dict[str, dict] = {
@@ -147,12 +151,20 @@ ARCH_OVERRIDES: dict[str, dict] = {
     # 2 blocks of 2 tokens per query, fewer than most documents have.
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT, "vision_config": _TINY_VISION},
-    # dots3_note's vision and audio configs size their layer pyramid and adapters for the checkpoint's widths.
+    # dots3_note's sliding-window layers take their attention sizes from `swa_*` fields, the checkpoint's by default.
+    "dots3_note_text": _DOTS3_SLIDING,
+    # Its vision and audio configs size their layer pyramid and adapters for the checkpoint's widths.
     "dots3_note": {
+        "text_config": _DOTS3_SLIDING,
         "vision_config": {
             "mlp_layer_types": ["dense", "dense"], "hidden_size": 64, "adapter_in_dim": 64, "adapter_out_dim": 64,
         },
         "audio_config": {"adapter_input_size": 64, "adapter_out_dim": 64, "downsample_hidden_size": 32},
+    },
+    # Inkling 2 with a loop: layers 2-3 (a sliding and a full one) run twice, gated by a rank-16 message gate.
+    "inkling2_loop_text": {
+        "num_hidden_layers": 4, "layer_types": ["hybrid_sliding", "hybrid"] * 2, "n_layers_per_attn_res_block": 2,
+        "loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2, "loop_gate_rank": 16,
     },
     # ZAYA's router picks one expert per token (its config refuses more), plus a skip expert.
     "zaya": {"num_experts_per_tok": 1},
@@ -197,6 +209,8 @@ def _shrunk_fields(config) -> dict:
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and not _read_only(config, "layer_types"):
         values["layer_types"] = _tiny_layer_types(layer_types)
+        for name in _LAYER_COUNTS & values.keys():
+            values[name] = len(values["layer_types"])
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token), int) and fields[token] >= VOCAB_SIZE:
             values[token] = 0
@@ -226,11 +240,12 @@ def _read_only(config, name: str) -> bool:
 
 
 def _tiny_layer_types(default_layer_types):
-    """Two layers keeping the default's variety: a windowed layer first (if any), then a full-attention one."""
+    """One layer of each kind the default uses (at least two layers): a windowed or mixer layer first (if any), then a
+    full-attention one, then the other kinds, so that every kind of layer is in the parity matrix."""
     kinds = list(dict.fromkeys(default_layer_types))
     windowed = [kind for kind in kinds if kind != "full_attention"]
     full = [kind for kind in kinds if kind == "full_attention"]
-    return (windowed[:1] + full[:1] + kinds)[:2] if len(kinds) > 1 else kinds * 2
+    return list(dict.fromkeys(windowed[:1] + full[:1] + kinds)) if len(kinds) > 1 else kinds * 2
 
 
 def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides):
