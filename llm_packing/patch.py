@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _compat, mixers, multimodal, varlen
+from . import _compat, alibi, mixers, multimodal, varlen
 from .errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from .layout import MASK_BUILDER_NAMES
 from .masks import _is_integer_2d, document_position_ids, get_unpad_data, host_copy, validate_document_ids
@@ -112,6 +112,7 @@ def configure_packing(
     _patch_all()
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
+    alibi.patch_alibi(config.model_type)
     return model_or_config
 
 
@@ -132,6 +133,7 @@ def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
     multimodal.remove_media_guards()
     mixers.unpatch_mixers()
+    alibi.unpatch_alibi()
     if not _originals:
         return
     from transformers import masking_utils
