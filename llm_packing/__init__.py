@@ -25,6 +25,7 @@ _EXPORTS = {
     "PackingStats": "stats",
     "PackedDPOTrainer": "preference",
     "PackedGRPOTrainer": "grpo",
+    "PackedRewardTrainer": "reward",
     "PackedSFTTrainer": "trainer",
     "verify_packing": "verify",
 }
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from .patch import configure_packing, is_packing_configured, packing_configured, unconfigure_packing
     from .grpo import PackedGRPOTrainer
     from .preference import PackedDPOTrainer
+    from .reward import PackedRewardTrainer
     from .stats import PackingStats
     from .trainer import PackedSFTTrainer
     from .verify import verify_packing

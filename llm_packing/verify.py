@@ -39,7 +39,8 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
-            A causal LM, usually after [`configure_packing`]. It is put in eval mode for the check and restored.
+            A causal LM (or a base model, whose last hidden states are compared), usually after
+            [`configure_packing`]. It is put in eval mode for the check and restored.
         atol (`float`, *optional*):
             Largest accepted absolute logit difference, used as given instead of the calibrated limit.
         seed (`int`, *optional*, defaults to `0`):
@@ -111,5 +112,7 @@ def _random_documents(config, lengths, seed, device) -> list[torch.Tensor]:
 
 
 def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    """The model's logits, or a base model's (a reward model's backbone) last hidden states."""
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return output.logits.float()
+    logits = getattr(output, "logits", None)
+    return (output.last_hidden_state if logits is None else logits).float()
