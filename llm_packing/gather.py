@@ -71,6 +71,12 @@ def _chunk_table(group, row_start, bin_offsets, lengths, first, last, group_row,
     return pa.Table.from_arrays([arrays[name] for name in schema.names], schema=schema)
 
 
+# Documents at least this long on average are copied one slice each (a Python loop, ~1 us a document) rather than
+# through per-token index arrays (~15 ns a token: two cumsums, a gather and a scatter): 6x faster on a group of
+# lognormal documents (median 250 tokens), slower for very short ones.
+_RUN_COPY_MIN_TOKENS = 64
+
+
 class _Reader:
     """Reads a group's documents into one buffer per column, in row order; reads go in input order where the mapped
     input is larger than the resident limit (`pages.bounds`), in row order otherwise. Buffers are reused."""
@@ -102,11 +108,19 @@ class _Reader:
             last = max(int(np.searchsorted(ends, base + self._slice_tokens, side="right")), first + 1)
             part = order[first:last]
             size = int(ends[last - 1] - base)
-            if self._pages.bounds:
+            by_runs = size >= _RUN_COPY_MIN_TOKENS * len(part)
+            if by_runs:
+                destination = None
+            elif self._pages.bounds:
                 destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
             else:
                 destination = slice(base, base + size)
             for name, column in self._columns.items():
+                if by_runs and not column.bits:
+                    column.copy_runs(self._starts[name][ids[part]], lengths[part], buffers[name], positions[part])
+                    continue
+                if destination is None:
+                    destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
                 source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
                 if column.bits:
                     buffers[name][destination] = column.take(source)

@@ -74,6 +74,14 @@ class TokenColumn:
         return out
 
 
+    def copy_runs(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray, out_starts: np.ndarray) -> None:
+        """Copy the `lengths[i]` values from index `starts[i]` to `out[out_starts[i]:]`, one slice per run (not for
+        boolean masks, which are bit-packed)."""
+        span = self._span
+        for start, length, out_start in zip(starts.tolist(), lengths.tolist(), out_starts.tolist(), strict=True):
+            out[out_start : out_start + length] = span[start : start + length]
+
+
 def row_windows(lengths: np.ndarray, window: int | None = None):
     """`(first_row, last_row)` ranges of about `window` tokens (default `_CHECK_WINDOW`; at least one row each)
     covering every row."""

@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset
 
 from llm_packing import dataset as dataset_module
-from llm_packing import resident_pages, token_columns
+from llm_packing import gather, resident_pages, token_columns
 from llm_packing.dataset import pack_dataset
 from llm_packing.errors import PackingValueError
 from llm_packing.resident_pages import ResidentPages
@@ -35,14 +35,18 @@ def large_corpus(num_rows=40_000, seed=0):
 
 
 @pytest.mark.parametrize("group, chunk", [(7, 5), (300, 100), (1 << 26, 1 << 20)])
-def test_groups_give_the_rows_of_one_pass(tmp_path, monkeypatch, group, chunk):
-    # Every group (one row or several chunks) is read in input order and put back in row order.
+@pytest.mark.parametrize("copy_runs_from", [1, 1 << 40], ids=["slice per document", "index per token"])
+def test_groups_give_the_rows_of_one_pass(tmp_path, monkeypatch, group, chunk, copy_runs_from):
+    # Every group (one row or several chunks) is read in input order and put back in row order, whether documents are
+    # copied a slice each or gathered token by token; the reference reads in row order, token by token.
     rng = np.random.default_rng(1)
     ids = corpus(300, max_length=40)
     columns = {"input_ids": ids, "labels": [np.where(rng.random(len(x)) < 0.3, -100, x).tolist() for x in ids],
                "assistant_masks": [(rng.random(len(x)) < 0.9).tolist() for x in ids]}
+    monkeypatch.setattr(gather, "_RUN_COPY_MIN_TOKENS", 1 << 40)
     expected = [pack_dataset(Dataset.from_dict(columns), 64, overflow=overflow, seed=2, return_position_ids=True)
                 for overflow in ("split", "truncate")]
+    monkeypatch.setattr(gather, "_RUN_COPY_MIN_TOKENS", copy_runs_from)
     monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", group)
     monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
     monkeypatch.setattr(resident_pages, "RESIDENT_LIMIT", 0)  # the mapped input is read in input order
