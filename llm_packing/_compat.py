@@ -23,12 +23,12 @@ MAX_TESTED_TRANSFORMERS_VERSION = "5.24.0"
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
-# Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites, besides the cache. `cache_position`
-# was removed in 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
+# Parameters of `create_causal_mask` and its siblings that the hook reads or rewrites, besides the cache.
+# `cache_position` was removed in 5.9 (PR #44181), `input_embeds` renamed `inputs_embeds` in 5.9 (PR #45885).
 MASK_BUILDER_PARAMETERS = ("config", "inputs_embeds", "attention_mask", "position_ids")
 
-# What the cache argument is called, newest first: 5.24 renamed the mask builders' and models' `past_key_values` and the
-# SSM mixers' `cache_params` to `cache` (the old names stay as deprecated aliases until 5.40).
+# What the cache argument is called, newest first: 5.24 renamed the mask builders' and models' `past_key_values`
+# and the SSM mixers' `cache_params` to `cache` (the old names stay as deprecated aliases until 5.40).
 CACHE_PARAMETER_NAMES = ("cache", "past_key_values", "cache_params")
 
 

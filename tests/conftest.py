@@ -34,6 +34,13 @@ def hook_bindings_undone():
     _fail_if_left(lambda: _hook_state_left() + _wrappers_left())
 
 
+@pytest.fixture
+def unconfigure_after():
+    """For tests of trainers that configure the hook themselves (process-wide, in their constructor): undone after."""
+    yield
+    sys.modules["llm_packing.patch"].unconfigure_packing()
+
+
 def _fail_if_left(find):
     patch = sys.modules.get("llm_packing.patch")
     if patch is None:  # never imported, so nothing was patched

@@ -12,11 +12,10 @@ from trl import DPOConfig, DPOTrainer
 
 from llm_packing.errors import PackingValueError, SequenceTooLongError
 from llm_packing.padded_forward import pack_padded_batch
-from llm_packing.patch import unconfigure_packing
 from llm_packing.preference import PackedDPOTrainer, _check_pairs
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -113,12 +112,6 @@ def train(tmp_path, packed: bool, loss_type="sigmoid", peft=False, dataset=None,
     record_log_probs(trainer, trainer.log_probs)
     trainer.train()
     return trainer
-
-
-@pytest.fixture(autouse=True)
-def _unconfigure():
-    yield
-    unconfigure_packing()
 
 
 # Sums over a sequence (log-probs near -60) and some losses (sppo_hard's squares reach ~100) are float32 numbers

@@ -9,10 +9,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from trl import GRPOConfig, GRPOTrainer
 
 from llm_packing.grpo import PackedGRPOTrainer
-from llm_packing.patch import unconfigure_packing
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -83,12 +82,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture(autouse=True)
-def _unconfigure():
-    yield
-    unconfigure_packing()
 
 
 def train(tmp_path, checkpoint, packed: bool, peft=False, **config):

@@ -9,11 +9,11 @@ from trl import RewardConfig, RewardTrainer
 
 from llm_packing.errors import ContaminationError, PackingValueError
 from llm_packing.padded_forward import pack_padded_batch
-from llm_packing.patch import packing_configured, unconfigure_packing
+from llm_packing.patch import packing_configured
 from llm_packing.reward import PackedRewardTrainer, pack_sequence_scores
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]
 
 METRICS = ("loss", "min_reward", "mean_reward", "max_reward", "accuracy", "margin")
 
@@ -62,12 +62,6 @@ def train(tmp_path, packed: bool, peft=False):
     return trainer
 
 
-@pytest.fixture(autouse=True)
-def _unconfigure():
-    yield
-    unconfigure_packing()
-
-
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_every_step_equals_trl(tmp_path, peft):
     packed, padded = train(tmp_path, True, peft), train(tmp_path, False, peft)
@@ -86,7 +80,8 @@ def test_every_step_equals_trl(tmp_path, peft):
     if peft:
         moved = max(value.abs().max() for name, value in padded.model.named_parameters() if "lora_B" in name)
     else:
-        moved = max((a - b).abs().max() for a, b in zip(padded.model.parameters(), reward_model().parameters()))
+        pairs_ = zip(padded.model.parameters(), reward_model().parameters(), strict=True)
+        moved = max((a - b).abs().max() for a, b in pairs_)
     assert moved > 1e-2
 
 
@@ -120,7 +115,8 @@ def test_a_row_scored_at_padding_is_refused(tmp_path):
 
 def test_the_documented_example_runs_under_the_hook():
     model = reward_model().eval()
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]])}
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
     with torch.no_grad():
         padded = model(**batch).logits
         with packing_configured(model):

@@ -147,8 +147,8 @@ ARCH_OVERRIDES: dict[str, dict] = {
         "attention_head_dim": 32,
     },
     "minimax": {"block_size": 4},
-    # Qwen4Exp: a gated delta net with n-gram embeddings (PLE) in layer 0, then indexed attention whose key indexer keeps
-    # 2 blocks of 2 tokens per query, fewer than most documents have.
+    # Qwen4Exp: a gated delta net with n-gram embeddings (PLE) in layer 0, then indexed attention whose key indexer
+    # keeps 2 blocks of 2 tokens per query, fewer than most documents have.
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT, "vision_config": _TINY_VISION},
     # dots3_note's sliding-window layers take their attention sizes from `swa_*` fields, the checkpoint's by default.
