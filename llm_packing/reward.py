@@ -104,7 +104,7 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
 
     @functools.wraps(original)
     def packed_scores(input_ids=None, attention_mask=None, use_cache=None, **kwargs):
-        given = sorted(name for name, value in kwargs.items() if value is not None and name != "return_dict")
+        given = sorted(name for name, value in kwargs.items() if value is not None and name not in _IGNORED)
         if given or use_cache or input_ids is None or attention_mask is None:
             raise UnsupportedSetupError(
                 f"A packed reward forward got inputs it cannot pack: {given or ''} use_cache={use_cache}, "
@@ -126,6 +126,11 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
     packed_scores._packs_padded_batches = True
     model.forward = packed_scores
     return model
+
+
+# Keywords the model forward ignores: `margin` is a column of TRL's preference batches (RewardTrainer passes the whole
+# batch to the model and reads the margin in its loss).
+_IGNORED = ("return_dict", "margin")
 
 
 def _packed_index_of_scored_tokens(layout: PackedLayout, input_ids, attention_mask, config) -> torch.Tensor:

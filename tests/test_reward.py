@@ -41,13 +41,15 @@ def reward_model():
     return LlamaForSequenceClassification(config).to(torch.float32)
 
 
-def reward_pairs():
-    """The DPO tests' pairs as full chosen and rejected sequences (prompt + completion): lengths 2 to 20 tokens."""
-    return pairs().map(lambda pair: {"chosen": pair["prompt"] + pair["chosen"],
-                                     "rejected": pair["prompt"] + pair["rejected"]}, remove_columns=["prompt"])
+def reward_pairs(margin=False):
+    """The DPO tests' pairs as full chosen and rejected sequences (prompt + completion): lengths 2 to 20 tokens; with
+    `margin`, TRL's optional margin column (the loss asks chosen to beat rejected by it)."""
+    dataset = pairs().map(lambda pair: {"chosen": pair["prompt"] + pair["chosen"],
+                                        "rejected": pair["prompt"] + pair["rejected"]}, remove_columns=["prompt"])
+    return dataset.add_column("margin", [0.25 * (i % 3) for i in range(len(dataset))]) if margin else dataset
 
 
-def train(tmp_path, packed: bool, peft=False):
+def train(tmp_path, packed: bool, peft=False, margin=False):
     args = RewardConfig(
         output_dir=str(tmp_path / ("packed" if packed else "padded")), per_device_train_batch_size=BATCH,
         max_steps=STEPS, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
@@ -55,16 +57,17 @@ def train(tmp_path, packed: bool, peft=False):
     )
     extra = {"peft_config": LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
     trainer_class = RecordingPackedRewardTrainer if packed else RecordingRewardTrainer
-    trainer = trainer_class(model=reward_model(), args=args, train_dataset=reward_pairs(),
+    trainer = trainer_class(model=reward_model(), args=args, train_dataset=reward_pairs(margin),
                             processing_class=tokenizer(), **(extra if peft else {}))
     trainer.rewards = []
     trainer.train()
     return trainer
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_every_step_equals_trl(tmp_path, peft):
-    packed, padded = train(tmp_path, True, peft), train(tmp_path, False, peft)
+@pytest.mark.parametrize(("peft", "margin"), [(False, False), (True, False), (False, True)],
+                         ids=["full", "lora", "margin"])
+def test_every_step_equals_trl(tmp_path, peft, margin):
+    packed, padded = train(tmp_path, True, peft, margin), train(tmp_path, False, peft, margin)
     assert len(packed.rewards) == len(padded.rewards) == STEPS
     for mine, theirs in zip(packed.rewards, padded.rewards, strict=True):
         assert mine.shape == (2 * BATCH, 1)
