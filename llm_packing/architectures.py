@@ -114,7 +114,7 @@ def supported_model_types() -> tuple[str, ...]:
     Example:
     ```python
     >>> from llm_packing.architectures import supported_model_types
-    >>> "llama" in supported_model_types(), "rwkv" in supported_model_types()
+    >>> "llama" in supported_model_types(), "openai-gpt" in supported_model_types()
     (True, False)
 
     ```

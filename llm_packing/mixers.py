@@ -7,7 +7,8 @@ call receives a batch in which each document is its own right-padded sequence, s
 state, and the outputs are scattered back into the packed layout. The mixers are causal, so the right padding cannot
 reach a document's tokens, whichever kernel runs the call: the parity matrix proves it with transformers' torch
 fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an ordinary padded batch but have not run
-here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path.
+here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path, and so do the pure recurrent LMs RWKV and xLSTM,
+whose blocks get no mask: their model's forward makes the mask it received visible to them (`MASK_RECORDERS`).
 
 Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
 more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
@@ -39,17 +40,18 @@ class MixerCall:
     """How a mixer's `forward` receives what the hook needs: the hidden states, the 2-D mask and the cache."""
 
     hidden: str = "hidden_states"
-    mask: str = "attention_mask"
+    mask: str | None = "attention_mask"
     # None: the cache argument under the name this transformers gives it (`_compat.CACHE_PARAMETER_NAMES`).
     cache: str | None = None
-    # Returns `(output, final recurrent state)`; without a cache the caller drops the state, which per document
-    # group has no packed layout to go back to, so the wrapper returns `(output, None)`.
+    # Returns `(output, final recurrent state, ...)`; without a cache the caller drops the state, which per document
+    # group has no packed layout to go back to, so the wrapper returns `(output, None, ...)`.
     returns_state: bool = False
     # Other `(batch_size, length, ...)` arguments, re-batched per document like the hidden states.
     per_token: tuple[str, ...] = ()
-    # Where the documents are read: "mask" (the indexed 2-D mask in `mask`), or "position_ids" for a mixer handed
-    # only the prepared 4-D mask; those positions restart at 0 per document, which the mask builder checked against
-    # the indexed mask earlier in the same forward.
+    # Where the documents are read: "mask" (the indexed 2-D mask in `mask`); "position_ids" for a mixer handed
+    # only the prepared 4-D mask (those positions restart at 0 per document, which the mask builder checked against
+    # the indexed mask earlier in the same forward); or "model", the indexed mask that the forward of the model class
+    # named in `MASK_RECORDERS` received, for blocks handed no mask at all (RWKV, xLSTM).
     documents: str = "mask"
 
 
@@ -110,12 +112,34 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
     "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
     "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(returns_state=True)}),
+    # Pure recurrent LMs whose blocks get no mask: RWKV's time and channel mixing both shift tokens by one and its WKV
+    # recurrence runs along the row; xLSTM's mLSTM layer carries its matrix memory along the row. The whole block is
+    # re-batched (its feed-forward is per token), with the documents of the mask the model's forward received.
+    "rwkv": ("rwkv", {"RwkvBlock": MixerCall("hidden", mask=None, cache="state", returns_state=True,
+                                             documents="model")}),
+    "xlstm": ("xlstm", {"xLSTMBlock": MixerCall("x", mask=None, cache="state", returns_state=True,
+                                                documents="model")}),
+}
+
+# model_type -> the classes (in the MIXERS module) whose `forward` receives the model's `attention_mask`, for mixers
+# whose documents are read from it (`MixerCall.documents == "model"`). The causal LM as well as the base model: RWKV's
+# causal LM does not hand its mask on.
+MASK_RECORDERS: dict[str, tuple[str, ...]] = {
+    "rwkv": ("RwkvForCausalLM", "RwkvModel"),
+    "xlstm": ("xLSTMForCausalLM", "xLSTMModel"),
 }
 
 # Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
 _ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 
-_originals: dict[type, object] = {}  # mixer class -> its original `forward`
+_originals: dict[type, object] = {}  # mixer (or mask recorder) class -> its original `forward`
+
+
+class _ModelMaskPerThread(threading.local):
+    mask = None  # the `attention_mask` of the model forward running on this thread (`MASK_RECORDERS`)
+
+
+_model_mask = _ModelMaskPerThread()
 
 
 def mixer_classes(model_type: str) -> list[type]:
@@ -131,11 +155,16 @@ def patch_mixers(model_type: str) -> None:
     """Wrap the `forward` of every mixer class of `model_type` (idempotent)."""
     if model_type not in MIXERS:
         return
-    calls = MIXERS[model_type][1]
+    module_name, calls = MIXERS[model_type]
     for cls in mixer_classes(model_type):
         if cls not in _originals:
             _originals[cls] = cls.forward
             cls.forward = _wrap_forward(cls.forward, calls[cls.__name__])
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
+        if cls not in _originals:
+            _originals[cls] = cls.forward
+            cls.forward = _record_mask(cls.forward)
 
 
 def unpatch_mixers() -> None:
@@ -183,12 +212,8 @@ def _looks_like_mixer(module: torch.nn.Module) -> bool:
 _SHORT_CONVOLUTION_NAME = re.compile(r"(Short|Causal)Conv")
 
 
-def _wrap_forward(forward, call: MixerCall):
-    signature = inspect.signature(forward)
-    cache_name = call.cache or _compat.cache_parameter(forward)
-    documents_name = call.mask if call.documents == "mask" else call.documents
-    expected = (call.hidden, call.mask, documents_name, cache_name, *call.per_token)
-    missing = [name for name in expected if name not in signature.parameters]
+def _require_arguments(forward, signature: inspect.Signature, expected) -> None:
+    missing = [name for name in expected if name is not None and name not in signature.parameters]
     if missing:
         raise IncompatibleTransformersError(
             f"Cannot isolate the documents in `{forward.__qualname__}`: it takes no {missing} argument(s) (installed "
@@ -197,12 +222,40 @@ def _wrap_forward(forward, call: MixerCall):
             f"version, e.g. `pip install transformers=={_compat.MAX_TESTED_TRANSFORMERS_VERSION}`."
         )
 
+
+def _record_mask(forward):
+    """`forward` of a model class that keeps the `attention_mask` it receives visible to its blocks (on this thread,
+    for the duration of the call), for mixers handed no mask (`MixerCall.documents == "model"`). A call without a
+    mask inside one with a mask (RWKV's base model inside its causal LM) keeps the outer one."""
+    signature = inspect.signature(forward)
+    _require_arguments(forward, signature, ("self",))
+
+    @functools.wraps(forward)
+    def forward_recording_mask(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
+        previous = _model_mask.mask
+        _model_mask.mask = previous if mask is None else mask
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _model_mask.mask = previous
+
+    return forward_recording_mask
+
+
+def _wrap_forward(forward, call: MixerCall):
+    signature = inspect.signature(forward)
+    cache_name = call.cache or _compat.cache_parameter(forward)
+    documents_name = {"mask": call.mask, "position_ids": "position_ids", "model": None}[call.documents]
+    _require_arguments(forward, signature, (call.hidden, call.mask, documents_name, cache_name, *call.per_token))
+
     @functools.wraps(forward)
     def forward_per_document(*args, **kwargs):
         kwargs = _compat.rename_legacy_cache_argument(kwargs, signature)
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
-        documents = arguments.get(documents_name)
+        documents = arguments.get(documents_name) if documents_name else _model_mask.mask
         if not _is_integer_2d(documents):
             return forward(*args, **kwargs)
         batch_size = arguments[call.hidden].shape[0]
@@ -222,20 +275,41 @@ def _wrap_forward(forward, call: MixerCall):
             )
         hidden_states = arguments.pop(call.hidden)
         per_token = {name: arguments.pop(name) for name in call.per_token}
-        arguments[call.mask] = None
+        if call.mask is not None:
+            arguments[call.mask] = None
         arguments[cache_name] = None
         extra = arguments.pop(_var_keyword(signature), {})
         extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
         arguments.pop("self")
+        inner, checkpoint = _checkpointing(forward, module)
+        returned = []  # how many values the mixer returns
 
         def mix(states, **document_tokens):
-            output = forward(module, **{call.hidden: states}, **document_tokens, **arguments, **extra)
+            run = functools.partial(inner, module, **document_tokens, **arguments, **extra)
+            # Positional under a checkpoint: reentrant checkpointing passes gradients through positional tensors only.
+            output = checkpoint(run, states) if checkpoint else run(**{call.hidden: states})
+            returned[:] = [len(output) if call.returns_state else 1]
             return output[0] if call.returns_state else output
 
         packed = layout.run(mix, hidden_states, **per_token)
-        return (packed, None) if call.returns_state else packed
+        return (packed, *[None] * (returned[0] - 1)) if call.returns_state else packed
 
     return forward_per_document
+
+
+def _checkpointing(forward, module):
+    """The forward to run per document group, and the checkpoint function to run it under (or None). A mixer that is
+    itself a gradient-checkpointing layer (RWKV's and xLSTM's blocks) checkpoints only when its class `forward` is
+    transformers' own wrapper, which this hook has replaced: the wrapper checkpoints each group's call itself, around
+    the class's original `forward` (whose first argument must be the hidden states), so the re-batching stays outside
+    and the backward recompute sees the same groups."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not isinstance(module, GradientCheckpointingLayer):
+        return forward, None
+    inner = getattr(forward, "__wrapped__", forward)  # the class's forward inside transformers' checkpointing wrapper
+    active = module.gradient_checkpointing and module.training and torch.is_grad_enabled()
+    return inner, module._gradient_checkpointing_func if active else None
 
 
 def _var_keyword(signature: inspect.Signature) -> str:

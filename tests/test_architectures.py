@@ -53,8 +53,8 @@ def test_candidates_are_mapped_through_the_modeling_module_that_defines_the_clas
 
 
 def test_unreachable_architectures_are_refused():
-    assert "without create_causal_mask" in REFUSED_MODEL_TYPES["rwkv"]
-    assert "rwkv" not in supported_model_types()
+    assert "without create_causal_mask" in REFUSED_MODEL_TYPES["openai-gpt"]
+    assert "openai-gpt" not in supported_model_types()
 
 
 @pytest.mark.parametrize("model_type", ["bailing_hybrid", "recurrent_gemma"])
@@ -69,7 +69,7 @@ def test_require_supported_accepts_a_supported_type():
     require_supported(SimpleNamespace(model_type="llama", layer_types=None))
 
 
-@pytest.mark.parametrize("model_type", ["rwkv", "no_such_model"])
+@pytest.mark.parametrize("model_type", ["openai-gpt", "no_such_model"])
 def test_require_supported_names_the_refused_type(model_type):
     with pytest.raises(UnsupportedSetupError, match=rf"model_type '{model_type}'.*Supported model types: .*llama"):
         require_supported(SimpleNamespace(model_type=model_type))
