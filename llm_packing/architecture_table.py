@@ -56,6 +56,7 @@ VERIFIED_MODEL_TYPES = frozenset(
         "gemma2",
         "gemma3",
         "gemma3_text",
+        "gemma3n",
         "gemma3n_text",
         "gemma4",
         "gemma4_text",
@@ -205,10 +206,6 @@ REFUSED_CANDIDATES: dict[str, str] = {
     "ernie": "fails the parity matrix: packed logits differ from separate documents by 1.5e-02 (eager, sdpa)",
     "gemma4_assistant": _ASSISTANT,
     "gemma4_unified_assistant": _ASSISTANT,
-    "gemma3n": (
-        "not verified: its vision tower needs timm (not installed for the tests); gemma3n_text, its language model, "
-        "is supported"
-    ),
     "marian": "fails the parity matrix: packed logits differ from separate documents by 5.8e-01 (eager, sdpa)",
     "mbart": "fails the parity matrix: packed logits differ from separate documents by 6.0e-01 (eager, sdpa)",
     "megatron-bert": "fails the parity matrix: packed logits differ from separate documents by 3.2e-01 (eager)",

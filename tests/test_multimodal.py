@@ -20,6 +20,7 @@ def test_auto_class_builds_the_wrappers_and_the_text_models():
     model, under its text config's own model type, for mllama."""
     assert type(tiny_model("gemma3", "eager")).__name__ == "Gemma3ForConditionalGeneration"
     assert type(tiny_model("gemma4", "eager")).__name__ == "Gemma4ForConditionalGeneration"
+    assert type(tiny_model("gemma3n", "eager")).__name__ == "Gemma3nForConditionalGeneration"
     mllama = tiny_model("mllama", "eager")
     assert (type(mllama).__name__, mllama.config.model_type) == ("MllamaForCausalLM", "mllama_text_model")
 
@@ -55,6 +56,18 @@ def test_packed_batch_with_pixel_values_is_refused():
     refused = pytest.raises(UnsupportedSetupError, match="Gemma3ForConditionalGeneration.*pixel_values")
     with packing_configured(model), refused:
         _packed_forward(model, packed_batch(), pixel_values=pixel_values)
+
+
+@pytest.mark.parametrize("inputs", [
+    {"pixel_values": torch.zeros(1, 3, 8, 8)}, {"input_features": torch.zeros(1, 8, 128)},
+], ids=["pixel_values", "input_features"])
+def test_gemma3n_packed_batch_with_image_or_audio_is_refused(inputs):
+    """Gemma 3n takes images and audio: either in a packed batch is refused before its towers run (its vision
+    tower here is the tests' stand-in, which fails if reached)."""
+    model = tiny_model("gemma3n", "eager")
+    refused = pytest.raises(UnsupportedSetupError, match=f"Gemma3nForConditionalGeneration.*{next(iter(inputs))}")
+    with packing_configured(model), refused:
+        _packed_forward(model, packed_batch(), **inputs)
 
 
 def test_packed_batch_with_image_placeholder_tokens_is_refused():

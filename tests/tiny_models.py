@@ -6,8 +6,10 @@ per-architecture exceptions. Sliding windows and attention chunks are shrunk to 
 `PACKED_DOCUMENT_LENGTHS` (up to 9 tokens) cross them.
 """
 
+import contextlib
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 
 WINDOW = 4
@@ -79,6 +81,15 @@ _DOTS3_SLIDING = {
     "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16,
 }
 _TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+# Gemma 3n reuses the key/value cache of earlier layers in its last `num_kv_shared_layers`: four layers, so that a
+# sliding and a full layer share those of the first two.
+_GEMMA3N_TEXT = {
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "num_kv_shared_layers": 2,
+    "laurel_rank": 8,
+}
+
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -90,14 +101,10 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "gemma4_text": {"global_head_dim": 32},
     "gemma4": {"text_config": {"global_head_dim": 32}},
     "gemma4_unified": {"text_config": {"global_head_dim": 32}},
-    # Gemma 3n reuses the key/value cache of earlier layers in its last `num_kv_shared_layers`: four layers, so that
-    # a sliding and a full layer share those of the first two.
-    "gemma3n_text": {
-        "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
-        "num_kv_shared_layers": 2,
-        "laurel_rank": 8,
-    },
+    "gemma3n_text": _GEMMA3N_TEXT,
+    # Gemma 3n's image-audio-text wrapper on text-only batches: the text model above, a tiny audio encoder, and a
+    # stand-in for its timm vision tower (`_timm_towers_stand_in`) that text-only batches never reach.
+    "gemma3n": {"text_config": _GEMMA3N_TEXT},
     # Fields left None by the defaults (the real checkpoints set them), so the generic shrink does not touch them.
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {**_SLIDING_ON, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
@@ -253,15 +260,50 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides):
     config = tiny_config(model_type, **overrides)
     config.use_cache = False
     # A field the generic shrink does not know leaves a full-size model behind: refuse it before allocating.
-    with torch.device("meta"):
+    with torch.device("meta"), _timm_towers_stand_in():
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
         raise ValueError(
             f"tiny {model_type!r} still has {size:,} parameters (limit {MAX_PARAMETERS:,}): add overrides"
         )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    with _timm_towers_stand_in():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()
+
+
+class UnreachedTower(torch.nn.Module):
+    """Stands in for a vision tower built by timm (Gemma 3n's MobileNetV5): timm needs torchvision, which has no
+    build for the CPU torch the tests run on. Packed batches are text-only (media inputs are refused), so a forward
+    that reaches it fails the test rather than passing unseen."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("a text-only batch reached the vision tower")
+
+
+# Nested configs whose model timm builds.
+_TIMM_TOWER_TYPES = ("gemma3n_vision", "timm_wrapper")
+
+
+@contextlib.contextmanager
+def _timm_towers_stand_in():
+    """While a model is built, `AutoModel.from_config` gives an [`UnreachedTower`] for a timm-built tower."""
+    from_config = AutoModel.from_config.__func__
+
+    def from_config_or_stand_in(cls, config, **kwargs):
+        if getattr(config, "model_type", None) in _TIMM_TOWER_TYPES:
+            return UnreachedTower(config)
+        return from_config(cls, config, **kwargs)
+
+    AutoModel.from_config = classmethod(from_config_or_stand_in)
+    try:
+        yield
+    finally:
+        AutoModel.from_config = classmethod(from_config)
 
 
 def packed_batch(document_lengths=PACKED_DOCUMENT_LENGTHS, row_length=PACKED_ROW_LENGTH, seed=0):
