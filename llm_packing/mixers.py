@@ -53,6 +53,8 @@ class MixerCall:
     # the indexed mask earlier in the same forward); or "model", the indexed mask that the forward of the model class
     # named in `MASK_RECORDERS` received, for blocks handed no mask at all (RWKV, xLSTM).
     documents: str = "mask"
+    # Said after the fix in the error for a packed batch with a cache: where else the model makes one.
+    cache_hint: str = ""
 
 
 _CACHE_PARAMS = MixerCall()
@@ -117,8 +119,11 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     # re-batched (its feed-forward is per token), with the documents of the mask the model's forward received.
     "rwkv": ("rwkv", {"RwkvBlock": MixerCall("hidden", mask=None, cache="state", returns_state=True,
                                              documents="model")}),
-    "xlstm": ("xlstm", {"xLSTMBlock": MixerCall("x", mask=None, cache="state", returns_state=True,
-                                                documents="model")}),
+    "xlstm": ("xlstm", {"xLSTMBlock": MixerCall(
+        "x", mask=None, cache="state", returns_state=True, documents="model",
+        cache_hint=" In eval mode xLSTM also runs rows longer than `config.max_inference_chunksize` in chunks through "
+        "a cache of its own: set it to at least the packed `max_length`.",
+    )}),
 }
 
 # model_type -> the classes (in the MIXERS module) whose `forward` receives the model's `attention_mask`, for mixers
@@ -271,7 +276,7 @@ def _wrap_forward(forward, call: MixerCall):
                 f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
                 f"(`{cache_name}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
                 "into the next. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = "
-                "False`."
+                f"False`.{call.cache_hint}"
             )
         hidden_states = arguments.pop(call.hidden)
         per_token = {name: arguments.pop(name) for name in call.per_token}

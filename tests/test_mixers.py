@@ -69,6 +69,17 @@ def test_packed_forward_with_a_cache_is_refused(model_type):
         model(**inputs, use_cache=True)
 
 
+def test_xlstm_eval_chunks_through_a_cache_are_refused_with_the_fix():
+    """In eval mode xLSTM runs rows longer than `max_inference_chunksize` chunk by chunk through a cache it makes
+    itself, whatever `use_cache` says: the state would cross documents, so the packed forward is refused."""
+    model = tiny_model("xlstm", "eager", max_inference_chunksize=8)
+    batch = packed_batch()
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    refused = pytest.raises(ContaminationError, match="xLSTMBlock with a cache.*`config.max_inference_chunksize`")
+    with packing_configured(model), torch.no_grad(), refused:
+        model(**inputs, use_cache=False)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "rwkv"])
 def test_unconfigure_restores_every_mixer_forward(model_type):
     """The mixers, and for RWKV the model classes that hand the mask to its blocks."""
