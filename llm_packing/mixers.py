@@ -8,7 +8,7 @@ state, and the outputs are scattered back into the packed layout. The mixers are
 reach a document's tokens, whichever kernel runs the call: the parity matrix proves it with transformers' torch
 fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an ordinary padded batch but have not run
 here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path, and so do the pure recurrent LMs RWKV and xLSTM,
-whose blocks get no mask: their model's forward makes the mask it received visible to them (`MASK_RECORDERS`).
+whose blocks get no mask: a call of their model makes the mask it received visible to them (`MASK_RECORDERS`).
 
 Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
 more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
@@ -50,7 +50,7 @@ class MixerCall:
     per_token: tuple[str, ...] = ()
     # Where the documents are read: "mask" (the indexed 2-D mask in `mask`); "position_ids" for a mixer handed
     # only the prepared 4-D mask (those positions restart at 0 per document, which the mask builder checked against
-    # the indexed mask earlier in the same forward); or "model", the indexed mask that the forward of the model class
+    # the indexed mask earlier in the same forward); or "model", the indexed mask that a call of the model class
     # named in `MASK_RECORDERS` received, for blocks handed no mask at all (RWKV, xLSTM).
     documents: str = "mask"
     # Said after the fix in the error for a packed batch with a cache: where else the model makes one.
@@ -126,9 +126,10 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     )}),
 }
 
-# model_type -> the classes (in the MIXERS module) whose `forward` receives the model's `attention_mask`, for mixers
-# whose documents are read from it (`MixerCall.documents == "model"`). The causal LM as well as the base model: RWKV's
-# causal LM does not hand its mask on.
+# model_type -> the classes (in the MIXERS module) whose calls receive the model's `attention_mask`, for mixers whose
+# documents are read from it (`MixerCall.documents == "model"`). The causal LM as well as the base model: RWKV's causal
+# LM does not hand its mask on. Their `__call__` is wrapped, not `forward`: trainers may bind a model's original
+# `forward` to the instance before the hook is configured (SFTTrainer does), which a class `forward` would miss.
 MASK_RECORDERS: dict[str, tuple[str, ...]] = {
     "rwkv": ("RwkvForCausalLM", "RwkvModel"),
     "xlstm": ("xLSTMForCausalLM", "xLSTMModel"),
@@ -137,11 +138,12 @@ MASK_RECORDERS: dict[str, tuple[str, ...]] = {
 # Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
 _ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 
-_originals: dict[type, object] = {}  # mixer (or mask recorder) class -> its original `forward`
+_originals: dict[type, object] = {}  # mixer class -> its original `forward`
+_recorders: dict[type, object] = {}  # mask recorder class -> the `__call__` of its own before (None: inherited)
 
 
 class _ModelMaskPerThread(threading.local):
-    mask = None  # the `attention_mask` of the model forward running on this thread (`MASK_RECORDERS`)
+    mask = None  # the `attention_mask` of the model call running on this thread (`MASK_RECORDERS`)
 
 
 _model_mask = _ModelMaskPerThread()
@@ -167,9 +169,9 @@ def patch_mixers(model_type: str) -> None:
             cls.forward = _wrap_forward(cls.forward, calls[cls.__name__])
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
-        if cls not in _originals:
-            _originals[cls] = cls.forward
-            cls.forward = _record_mask(cls.forward)
+        if cls not in _recorders:
+            _recorders[cls] = cls.__dict__.get("__call__")
+            cls.__call__ = _record_mask(cls.__call__, cls.forward)
 
 
 def unpatch_mixers() -> None:
@@ -177,6 +179,12 @@ def unpatch_mixers() -> None:
     for cls, forward in _originals.items():
         cls.forward = forward
     _originals.clear()
+    for cls, call in _recorders.items():
+        if call is None:
+            del cls.__call__
+        else:
+            cls.__call__ = call
+    _recorders.clear()
 
 
 def check_mixers_covered(model) -> None:
@@ -228,25 +236,25 @@ def _require_arguments(forward, signature: inspect.Signature, expected) -> None:
         )
 
 
-def _record_mask(forward):
-    """`forward` of a model class that keeps the `attention_mask` it receives visible to its blocks (on this thread,
-    for the duration of the call), for mixers handed no mask (`MixerCall.documents == "model"`). A call without a
-    mask inside one with a mask (RWKV's base model inside its causal LM) keeps the outer one."""
+def _record_mask(call, forward):
+    """`call` (a model class's `__call__`) keeping the `attention_mask` it receives, read by `forward`'s signature,
+    visible to the model's blocks (on this thread, for the duration of the call), for mixers handed no mask
+    (`MixerCall.documents == "model"`). A call without a mask inside one with a mask (RWKV's base model inside its
+    causal LM) keeps the outer one."""
     signature = inspect.signature(forward)
-    _require_arguments(forward, signature, ("self",))
 
-    @functools.wraps(forward)
-    def forward_recording_mask(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
+    @functools.wraps(call)
+    def call_recording_mask(*args, **kwargs):
+        arguments = signature.bind_partial(*args, **kwargs).arguments
         mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
         previous = _model_mask.mask
         _model_mask.mask = previous if mask is None else mask
         try:
-            return forward(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             _model_mask.mask = previous
 
-    return forward_recording_mask
+    return call_recording_mask
 
 
 def _wrap_forward(forward, call: MixerCall):

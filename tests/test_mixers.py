@@ -69,6 +69,17 @@ def test_packed_forward_with_a_cache_is_refused(model_type):
         model(**inputs, use_cache=True)
 
 
+@pytest.mark.parametrize("model_type", ["rwkv", "xlstm"])
+def test_blocks_get_the_mask_when_the_instance_holds_its_forward(model_type):
+    """SFTTrainer leaves the model's original `forward` bound on the instance before `PackedSFTTrainer` configures the
+    hook; a wrapper on the class `forward` would never run, and the blocks would see no documents."""
+    model = tiny_model(model_type, "eager")
+    model.forward = model.forward
+    batch = packed_batch()
+    with packing_configured(model):
+        assert _max_differences(model, batch, attention_mask=batch["attention_mask"])[0] <= TOLERANCE
+
+
 def test_xlstm_eval_chunks_through_a_cache_are_refused_with_the_fix():
     """In eval mode xLSTM runs rows longer than `max_inference_chunksize` chunk by chunk through a cache it makes
     itself, whatever `use_cache` says: the state would cross documents, so the packed forward is refused."""
@@ -82,17 +93,19 @@ def test_xlstm_eval_chunks_through_a_cache_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "rwkv"])
 def test_unconfigure_restores_every_mixer_forward(model_type):
-    """The mixers, and for RWKV the model classes that hand the mask to its blocks."""
+    """The mixers' `forward`, and for RWKV the `__call__` of the model classes that hand the mask to its blocks."""
     model = tiny_model(model_type, "eager")
-    classes = mixers.mixer_classes(model_type) + [type(model), type(model.base_model)] * (model_type == "rwkv")
-    originals = [cls.forward for cls in classes]
+    recorders = [type(model), type(model.base_model)] * (model_type == "rwkv")
+    originals = [cls.forward for cls in mixers.mixer_classes(model_type)] + [cls.__call__ for cls in recorders]
     configure_packing(model)
     try:
-        assert [cls.forward for cls in classes] != originals
+        assert [cls.forward for cls in mixers.mixer_classes(model_type)] != originals[: len(originals) - len(recorders)]
+        assert all("__call__" in vars(cls) for cls in recorders)
     finally:
         unconfigure_packing()
-    assert [cls.forward for cls in classes] == originals
-    assert not mixers._originals
+    assert [cls.forward for cls in mixers.mixer_classes(model_type)] + [cls.__call__ for cls in recorders] == originals
+    assert not any("__call__" in vars(cls) for cls in recorders)
+    assert not mixers._originals and not mixers._recorders
 
 
 def test_mixer_missing_from_the_table_is_refused(monkeypatch):
