@@ -116,7 +116,7 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(returns_state=True)}),
     # Pure recurrent LMs whose blocks get no mask: RWKV's time and channel mixing both shift tokens by one and its WKV
     # recurrence runs along the row; xLSTM's mLSTM layer carries its matrix memory along the row. The whole block is
-    # re-batched (its feed-forward is per token), with the documents of the mask the model's forward received.
+    # re-batched (its feed-forward is per token), with the documents of the mask the model was called with.
     "rwkv": ("rwkv", {"RwkvBlock": MixerCall("hidden", mask=None, cache="state", returns_state=True,
                                              documents="model")}),
     "xlstm": ("xlstm", {"xLSTMBlock": MixerCall(
@@ -269,15 +269,17 @@ def _wrap_forward(forward, call: MixerCall):
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
         documents = arguments.get(documents_name) if documents_name else _model_mask.mask
-        if not _is_integer_2d(documents):
-            return forward(*args, **kwargs)
-        batch_size = arguments[call.hidden].shape[0]
-        if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
-            documents = documents.expand(batch_size, -1)
-        layout = _layout(documents, from_positions=call.documents == "position_ids")
-        if layout is None:
-            return forward(*args, **kwargs)
         module = arguments["self"]
+        inner, checkpoint = _checkpointing(forward, module)
+        layout = None
+        if _is_integer_2d(documents):
+            batch_size = arguments[call.hidden].shape[0]
+            if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
+                documents = documents.expand(batch_size, -1)
+            layout = _layout(documents, from_positions=call.documents == "position_ids")
+        if layout is None:  # not packed: the call as it was, checkpointed where transformers' wrapper would have
+            return checkpoint(functools.partial(inner, module, **kwargs), *args[1:]) if checkpoint else forward(
+                *args, **kwargs)
         # A cache object, or `use_cache=True` for a mixer that keeps its state on itself.
         if arguments.get(cache_name) not in (None, False):
             raise ContaminationError(
@@ -294,7 +296,6 @@ def _wrap_forward(forward, call: MixerCall):
         extra = arguments.pop(_var_keyword(signature), {})
         extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
         arguments.pop("self")
-        inner, checkpoint = _checkpointing(forward, module)
         returned = []  # how many values the mixer returns
 
         def mix(states, **document_tokens):

@@ -215,6 +215,25 @@ def test_gradients_through_checkpointed_mixers_equal_separate_documents(model_ty
     assert checkpointed, "no layer ran under gradient checkpointing"
 
 
+@pytest.mark.parametrize("model_type", ["rwkv", "xlstm"])
+def test_unpacked_batches_still_checkpoint_the_wrapped_blocks(model_type):
+    """transformers checkpoints a layer only when the layer's class `forward` is its own wrapper; the hook replaced
+    it, so a plain batch through a configured model is checkpointed by the hook's wrapper instead."""
+    model = tiny_model(model_type, "eager")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    calls = []
+    for layer in model.modules():
+        if getattr(layer, "gradient_checkpointing", False):
+            function = layer._gradient_checkpointing_func
+            layer._gradient_checkpointing_func = lambda *args, f=function, **kwargs: calls.append(1) or f(
+                *args, **kwargs)
+    with packing_configured(model):
+        model(input_ids=torch.arange(1, 9)[None], use_cache=False).logits.sum().backward()
+    blocks = [module for module in model.modules() if isinstance(module, tuple(mixers.mixer_classes(model_type)))]
+    assert len(calls) == len(blocks) > 0
+
+
 def test_layout_follows_the_mask_of_each_forward_and_thread():
     """The layout is remembered per thread and per mask object and version: a new mask, an in-place edit or another
     thread never reuses a stale one."""
