@@ -38,6 +38,9 @@ MIXER_KINDS = {
 }
 
 
+_NO_SDPA = ("rwkv", "xlstm")  # attention-free: transformers offers them eager only
+
+
 @pytest.mark.parametrize(("model_type", "backend"), MIXER_KINDS.values(), ids=MIXER_KINDS)
 def test_mixers_isolate_documents(model_type, backend):
     model = tiny_model(model_type, backend)
@@ -162,12 +165,27 @@ def test_every_mixer_of_a_layer_is_needed(model_type, mixer):
 def test_verify_packing_catches_a_mixer_leak(model_type):
     """Attention isolated but the mixers left on the packed row: `verify_packing`'s documents (9, 7, 11 tokens, longer
     than the 4-token conv kernels) expose it."""
-    model = tiny_model(model_type, "eager" if model_type in ("rwkv", "xlstm") else "sdpa")  # they have no sdpa
+    model = tiny_model(model_type, "eager" if model_type in _NO_SDPA else "sdpa")
     with packing_configured(model):
         assert verify_packing(model) <= TOLERANCE
         mixers.unpatch_mixers()
         with pytest.raises(ContaminationError, match=model_type):
             verify_packing(model)
+
+
+def _checkpointed_model(model_type, use_reentrant):
+    """A tiny model in training mode with gradient checkpointing on, and the list its layers append to each time they
+    run a call under the checkpoint function."""
+    model = tiny_model(model_type, "eager" if model_type in _NO_SDPA else "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    calls = []
+    for layer in model.modules():
+        if getattr(layer, "gradient_checkpointing", False):
+            function = layer._gradient_checkpointing_func
+            layer._gradient_checkpointing_func = lambda *args, f=function, **kwargs: calls.append(1) or f(
+                *args, **kwargs)
+    return model, calls
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "rwkv", "xlstm"])
@@ -176,15 +194,7 @@ def test_gradients_through_checkpointed_mixers_equal_separate_documents(model_ty
     """Training: with gradient checkpointing the mixers run again in backward, outside the model's forward; the
     gradients of the packed loss equal those of the documents' losses summed. RWKV's and xLSTM's re-batched blocks are
     themselves checkpointed layers: each document group's call is checkpointed (asserted), not the packed row's."""
-    model = tiny_model(model_type, "eager")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    model.train()
-    checkpointed = []
-    for layer in model.modules():
-        if getattr(layer, "gradient_checkpointing", False):
-            function = layer._gradient_checkpointing_func
-            layer._gradient_checkpointing_func = lambda *args, f=function, **kwargs: checkpointed.append(1) or f(
-                *args, **kwargs)
+    model, checkpointed = _checkpointed_model(model_type, use_reentrant)
     batch = packed_batch()
 
     def gradients(loss):
@@ -219,15 +229,7 @@ def test_gradients_through_checkpointed_mixers_equal_separate_documents(model_ty
 def test_unpacked_batches_still_checkpoint_the_wrapped_blocks(model_type):
     """transformers checkpoints a layer only when the layer's class `forward` is its own wrapper; the hook replaced
     it, so a plain batch through a configured model is checkpointed by the hook's wrapper instead."""
-    model = tiny_model(model_type, "eager")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    calls = []
-    for layer in model.modules():
-        if getattr(layer, "gradient_checkpointing", False):
-            function = layer._gradient_checkpointing_func
-            layer._gradient_checkpointing_func = lambda *args, f=function, **kwargs: calls.append(1) or f(
-                *args, **kwargs)
+    model, calls = _checkpointed_model(model_type, use_reentrant=False)
     with packing_configured(model):
         model(input_ids=torch.arange(1, 9)[None], use_cache=False).logits.sum().backward()
     blocks = [module for module in model.modules() if isinstance(module, tuple(mixers.mixer_classes(model_type)))]
