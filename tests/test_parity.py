@@ -184,6 +184,37 @@ def test_indexed_mask_without_hook_is_contaminated(model_type, backend):
     assert logit_difference > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("bert", "encoder family"), ("roberta", "encoder family"), ("bart", "encoder-decoder"), ("marian", "encoder-decoder")],
+)
+def test_refused_families_leak_with_the_hook(model_type, reason, monkeypatch):
+    """The written reasons of two refused families, measured: with the hook forced on (its support check bypassed),
+    an encoder's causal-LM class on its default config and an encoder-decoder model's decoder still mix documents."""
+    from llm_packing import architectures
+
+    assert reason in architectures.refusal_reason(model_type)
+    monkeypatch.setattr(architectures, "require_supported", lambda config: None)
+    model = tiny_model(model_type, "eager")
+    batch = packed_batch()
+    with packing_configured(model):
+        logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert logit_difference > 1e-3
+
+
+def test_encoder_family_leak_is_its_bidirectional_attention(monkeypatch):
+    """The encoder reason's cause: the same bert with `is_decoder=True` (causal self-attention) is exact under the
+    hook, so what the default config leaks through is its bidirectional attention, not the hook."""
+    from llm_packing import architectures
+
+    monkeypatch.setattr(architectures, "require_supported", lambda config: None)
+    model = tiny_model("bert", "eager", is_decoder=True)
+    batch = packed_batch()
+    with packing_configured(model):
+        logit_difference, loss_difference = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "mistral"])
 def test_sliding_window_is_crossed(model_type):
     """The tiny sliding-window configs really window (4 tokens) and the packed documents are longer than that,
