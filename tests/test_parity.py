@@ -185,6 +185,32 @@ def test_indexed_mask_without_hook_is_contaminated(model_type, backend):
 
 
 @pytest.mark.parametrize(
+    "model_type",
+    [pytest.param(t, marks=() if t in CORE_MODEL_TYPES else pytest.mark.slow) for t in supported_model_types()],
+)
+def test_restarting_positions_are_what_the_model_gives_a_document_alone(model_type):
+    """The matrix's reference passes positions 0..n-1 to each document, as the collator does to packed documents.
+    A model run on a document without `position_ids` must number it the same way, or packing would train it on
+    shifted positions that both sides of the matrix share (RoBERTa's family starts at `padding_idx + 1`; see
+    `test_natural_positions_check_catches_an_offset`)."""
+    difference = _difference_of_given_positions(model_type)
+    assert difference <= TOLERANCE, (model_type, difference)
+
+
+def test_natural_positions_check_catches_an_offset():
+    """Negative control for the test above: roberta (refused) numbers a document from `padding_idx + 1`."""
+    assert _difference_of_given_positions("roberta") > 1e-2
+
+
+def _difference_of_given_positions(model_type) -> float:
+    """Max abs logit difference of one document run alone without `position_ids` and with 0..n-1."""
+    model = tiny_model(model_type, "eager")
+    document = packed_batch()["input_ids"][1:, :9]
+    given = _forward(model, input_ids=document, position_ids=torch.arange(document.shape[1])[None])
+    return float((_forward(model, input_ids=document) - given).abs().max())
+
+
+@pytest.mark.parametrize(
     ("model_type", "reason"),
     [("bert", "encoder family"), ("roberta", "encoder family"), ("bart", "encoder-decoder"), ("marian", "encoder-decoder")],
 )
