@@ -236,6 +236,19 @@ def test_unpacked_batches_still_checkpoint_the_wrapped_blocks(model_type):
     assert len(calls) == len(blocks) > 0
 
 
+@pytest.mark.parametrize(("model_type", "targets"), [("rwkv", ["key", "receptance"]), ("xlstm", ["k", "v"])])
+def test_blocks_see_the_mask_through_a_peft_wrapper(model_type, targets):
+    """LoRA, as most users train: PEFT's wrappers call the model inside their own forward, and the blocks that get no
+    mask (RWKV, xLSTM) still see the packed documents, so the wrapped model is exact and verifies."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(model_type, "eager"), LoraConfig(r=4, target_modules=targets))
+    batch = packed_batch()
+    with packing_configured(model):
+        assert _max_differences(model, batch, attention_mask=batch["attention_mask"])[0] <= TOLERANCE
+        assert verify_packing(model) <= TOLERANCE
+
+
 def test_layout_follows_the_mask_of_each_forward_and_thread():
     """The layout is remembered per thread and per mask object and version: a new mask, an in-place edit or another
     thread never reuses a stale one."""
