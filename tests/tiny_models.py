@@ -292,6 +292,7 @@ _TIMM_TOWER_TYPES = ("gemma3n_vision", "timm_wrapper")
 @contextlib.contextmanager
 def _timm_towers_stand_in():
     """While a model is built, `AutoModel.from_config` gives an [`UnreachedTower`] for a timm-built tower."""
+    own = AutoModel.__dict__.get("from_config")  # None: inherited from transformers' base auto class
     from_config = AutoModel.from_config.__func__
 
     def from_config_or_stand_in(cls, config, **kwargs):
@@ -303,7 +304,10 @@ def _timm_towers_stand_in():
     try:
         yield
     finally:
-        AutoModel.from_config = classmethod(from_config)
+        if own is None:
+            del AutoModel.from_config
+        else:
+            AutoModel.from_config = own
 
 
 def packed_batch(document_lengths=PACKED_DOCUMENT_LENGTHS, row_length=PACKED_ROW_LENGTH, seed=0):
