@@ -14,7 +14,10 @@ same table is read into memory first (one chunk, outside the timing), as the REA
 
 Every run is a fresh process (`--child`) that loads the dataset, then times the pack call alone. Caching is off in
 both (`datasets.disable_caching()`: outputs go to a temporary directory and nothing is reloaded), so each run packs.
-Runs alternate ours, TRL, ours, TRL... and the speed-up is the ratio of medians (and of each pair). Memory: the rise of
+Runs alternate ours, TRL, ours, TRL... and the speed-up is the ratio of medians (and of each pair). CPU is the
+process's user and system time during the call, all threads: on virtual machines that return freed memory to the
+host, system time is mostly page faults on memory the process touches first (the output's page cache above all).
+Memory: the rise of
 the peak resident set (VmHWM) over the resident set just before the call; it counts pages of the memory-mapped input
 and output that the process touched, which the kernel can drop at will, so the peak rise of anonymous memory
 (RssAnon, sampled every 20 ms) is given too. Each output is checked after the timing: every token of the input there
@@ -26,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,14 +94,18 @@ def child(args) -> None:
     pack(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))  # imports and first-call costs, out of the timing
     sampler = _AnonSampler()
     before = _status("VmRSS")
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     packed = pack(dataset)
     wall = time.perf_counter() - start
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
     peak = _status("VmHWM")
     sampler.stop()
     out = summary(packed.data.table)
     seq_tokens = int(pc.sum(pc.list_flatten(packed.data.table.column("seq_lengths"))).as_py() or 0)
-    print(json.dumps({"wall": wall, "rss_rise": peak - before, "anon_rise": sampler.peak - sampler.start,
+    print(json.dumps({"wall": wall, "user": cpu.ru_utime - cpu_before.ru_utime,
+                      "sys": cpu.ru_stime - cpu_before.ru_stime, "rss_rise": peak - before,
+                      "anon_rise": sampler.peak - sampler.start,
                       "out": out, "seq_tokens": seq_tokens, "columns": packed.column_names,
                       "on_disk": bool(packed.cache_files)}))
 
@@ -153,12 +161,13 @@ def main() -> None:
                 sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
             runs[name].append(json.loads(result.stdout.strip().splitlines()[-1]))
             run = runs[name][-1]
-            print(f"  {name}: {run['wall']:.2f} s, peak RSS rise {run['rss_rise'] / 2**30:.2f} GiB, anonymous "
+            print(f"  {name}: {run['wall']:.2f} s (CPU {run['user']:.2f} s user, {run['sys']:.2f} s sys), peak RSS"
+                  f" rise {run['rss_rise'] / 2**30:.2f} GiB, anonymous "
                   f"{run['anon_rise'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     lines += [
-        ("| packer | time (median) | runs | tokens/s | peak RSS rise | peak anon rise | packed rows | over LB "
-         "| every token kept | output | speed-up vs TRL |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        ("| packer | time (median) | runs | CPU user + sys (median) | tokens/s | peak RSS rise | peak anon rise "
+         "| packed rows | over LB | every token kept | output | speed-up vs TRL |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     walls = {name: [run["wall"] for run in done] for name, done in runs.items()}
     median = {name: statistics.median(times) for name, times in walls.items()}
@@ -168,7 +177,8 @@ def main() -> None:
         speed_up = f"{median['trl'] / median[name]:.1f}x" if "trl" in median else "-"
         lines.append(
             f"| {NAMES[name]} | {median[name]:.2f} s ({', '.join(f'{r_wall:.2f}' for r_wall in walls[name])}) "
-            f"| {len(done)} "
+            f"| {len(done)} | {statistics.median(r['user'] for r in done):.2f} s + "
+            f"{statistics.median(r['sys'] for r in done):.2f} s "
             f"| {source['tokens'] / median[name] / 1e6:.0f} M | {max(r['rss_rise'] for r in done) / 2**30:.2f} GiB "
             f"| {max(r['anon_rise'] for r in done) / 2**30:.2f} GiB | {rows:,} "
             f"| {rows - lower_bound:,} ({(rows - lower_bound) / lower_bound:+.4%}) | {_kept(last, source, args)} "

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 LAYOUT_VERSION = 2  # 1: input_ids, labels, position_ids, seq_lengths always, in memory; 2: lean columns, cached
 _METADATA_KEY = b"llm_packing"
 _ROWS_PER_RECORD_BATCH = 1000  # as `.map` writes them
+_WRITER_THREADS = 2
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an IPC stream's closing marker: continuation, length 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +77,15 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
 class PackedWriter:
     """
     Collects the packed rows chunk by chunk: each chunk is written to `target.path` (through a temporary file, renamed
-    when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`. Writes run on
-    a thread of their own, so that the next rows are gathered while the last ones are copied to the file: `write`
-    returns a future, done once the chunk's arrays may be reused.
+    when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`.
+
+    The file is the Arrow IPC stream that `pa.ipc.new_stream` would write, byte for byte, but its record batches are
+    written by `_WRITER_THREADS` threads at once, each at an offset fixed in order when its chunk is handed over
+    (`pa.ipc.get_record_batch_size`), while the next rows are gathered. Writing is mostly page faults on page-cache
+    memory the process has not touched yet (about 2.4 s of system time per GiB on this project's virtual machines,
+    which return freed memory to the host), and two writers overlap them: packing 1M memory-mapped rows (1.6 GB of
+    ids) took 3.56-3.92 s of wall time with two against 3.93-4.07 s with one. `write` returns a future, done
+    once the chunk's arrays may be reused.
     """
 
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
@@ -86,49 +94,72 @@ class PackedWriter:
             {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
         self.schema = schema.with_metadata(metadata)
         self._tables = []
-        self._written = []  # futures of the chunks handed to the writing thread
-        self._writer = None
+        self._written = []  # futures of the chunks handed to the writing threads
+        self._fd = None
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            handle, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
-            os.close(handle)
-            self._file = pa.OSFile(self._temporary, "wb")  # native writes: a Python file object copies every chunk
-            self._writer = pa.ipc.new_stream(self._file, self.schema)
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llm_packing-writer")
+            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            self._offset = _write_at(self._fd, self.schema.serialize(), 0)
+            self._threads = concurrent.futures.ThreadPoolExecutor(_WRITER_THREADS,
+                                                                  thread_name_prefix="llm_packing-writer")
 
     @property
     def reuses_buffers(self) -> bool:
         """Whether a chunk's arrays may be overwritten once `write` returns (they are on disk, not held)."""
-        return self._writer is not None
+        return self._fd is not None
 
     def write(self, table: pa.Table) -> concurrent.futures.Future:
-        if self._writer is None:
+        if self._fd is None:
             self._tables.append(table)
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
-        self._written.append(self._thread.submit(self._writer.write_table, table, max_chunksize=_ROWS_PER_RECORD_BATCH))
+        batches = table.to_batches(max_chunksize=_ROWS_PER_RECORD_BATCH)
+        offsets = [self._offset]
+        for batch in batches:
+            offsets.append(offsets[-1] + pa.ipc.get_record_batch_size(batch))
+        self._offset = offsets[-1]
+        self._written.append(self._threads.submit(_write_batches, self._fd, batches, offsets))
         return self._written[-1]
 
     def finish(self, split) -> datasets.Dataset:
-        if self._writer is None:
+        if self._fd is None:
             table = pa.concat_tables(self._tables) if self._tables else self.schema.empty_table()
             return _dataset(datasets.table.InMemoryTable(table.replace_schema_metadata(self.schema.metadata)), split,
                             self.target.fingerprint)
-        self._thread.shutdown()
-        for written in self._written:
-            written.result()  # raises the error of a failed write
-        self._writer.close()
-        self._file.close()
+        self._threads.shutdown()
+        try:
+            for written in self._written:
+                written.result()  # raises the error of a failed write
+            _write_at(self._fd, _END_OF_STREAM, self._offset)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
         os.replace(self._temporary, self.target.path)
         return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._thread.shutdown(cancel_futures=True)
-            self._file.close()
+        if self._fd is not None:
+            self._threads.shutdown(cancel_futures=True)
+            os.close(self._fd)
             os.remove(self._temporary)
+            self._fd = None
+
+
+def _write_batches(fd: int, batches: list[pa.RecordBatch], offsets: list[int]) -> None:
+    for batch, offset in zip(batches, offsets[:-1], strict=True):
+        _write_at(fd, batch.serialize(), offset)
+
+
+def _write_at(fd: int, data, offset: int) -> int:
+    """Write all of `data` (a buffer) at `offset` of `fd`; returns the offset just past it."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return offset
 
 
 def _dataset(table, split, fingerprint: str) -> datasets.Dataset:

@@ -15,6 +15,7 @@ from llm_packing import packed_cache, token_columns
 from llm_packing.collator import DataCollatorWithPacking
 from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingValueError
+from llm_packing.stats import PackingStats
 
 
 def random_columns(num_rows=60, seed=0, labels=True, masks=True):
@@ -117,6 +118,9 @@ class TestLeanColumns:
         labelled = Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]}).to_iterable_dataset()
         assert list(pack_dataset(labelled, 4))[0]["labels"] == [-100, 2]
 
+_STATS = PackingStats.from_bin_token_counts([2], num_sequences=1, capacity=4)
+
+
 class TestCache:
     def test_second_call_loads_the_cache_file(self, tmp_path, monkeypatch):
         ds = mapped(tmp_path, random_columns())
@@ -179,6 +183,42 @@ class TestCache:
         assert first.cache_files[0]["filename"] != second.cache_files[0]["filename"]
         assert not first.cache_files[0]["filename"].startswith(str(tmp_path))
         assert first.to_dict() == second.to_dict()
+
+    def test_concurrent_writes_make_the_stream_new_stream_writes(self, tmp_path):
+        # Chunks of 1,500 rows (two record batches each) and of 1 row, written by several threads at offsets fixed
+        # in order: the file must be byte for byte what one `pa.ipc.new_stream` writer makes of the same chunks.
+        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("seq_lengths", pa.list_(pa.int32()))])
+        rng = np.random.default_rng(0)
+        chunks = []
+        for rows in (1500, 1, 1500, 7):
+            lengths = rng.integers(1, 9, rows)
+            chunks.append(pa.table({"input_ids": [rng.integers(0, 99, n).tolist() for n in lengths],
+                                    "seq_lengths": [[int(n)] for n in lengths]}, schema=schema))
+        target = packed_cache.Destination(str(tmp_path / "packed.arrow"), "fingerprint", False)
+        writer = packed_cache.PackedWriter(target, schema, _STATS)
+        for chunk in chunks:
+            writer.write(chunk)
+        packed = writer.finish(None)
+        with pa.OSFile(str(tmp_path / "reference.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, writer.schema) as reference:
+            for chunk in chunks:
+                reference.write_table(chunk, max_chunksize=1000)
+        assert (tmp_path / "packed.arrow").read_bytes() == (tmp_path / "reference.arrow").read_bytes()
+        assert packed.data.table.equals(pa.concat_tables(chunks).replace_schema_metadata(writer.schema.metadata))
+        assert len(list(tmp_path.iterdir())) == 2
+
+    def test_a_failed_write_leaves_no_file(self, tmp_path, monkeypatch):
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+
+        target = packed_cache.Destination(str(tmp_path / "packed.arrow"), "fingerprint", False)
+        schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
+        writer = packed_cache.PackedWriter(target, schema, _STATS)
+        monkeypatch.setattr(packed_cache.os, "pwrite", full_disk)
+        writer.write(pa.table({"input_ids": [[1, 2]]}, schema=schema))
+        with pytest.raises(OSError, match="No space left"):
+            writer.finish(None)
+        assert list(tmp_path.iterdir()) == []
 
     def test_epochs_each_get_a_cache_file(self, tmp_path):
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
