@@ -1,6 +1,6 @@
 """Training throughput: padded batches against packed rows (llm_packing, TRL) on the same documents and model.
 
-    flock /tmp/llm_packing_bench.lock python benchmarks/train_throughput.py   # default: small Llama + medium, CPU
+    python benchmarks/train_throughput.py   # default: small Llama + medium, CPU
     python benchmarks/train_throughput.py --model tiny --also --max-length 256 --warmup 1 --steps 2 --max-samples 200
     python benchmarks/train_throughput.py --device cuda --dtype bf16 --model 0.5b --rows 4   # GPU (untested here)
 
@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -481,7 +482,7 @@ def main() -> None:
 
     has_flash = args.device == "cuda" and importlib.util.find_spec("flash_attn") is not None
     models = list(dict.fromkeys([args.model, *args.also]))
-    command = "flock /tmp/llm_packing_bench.lock python benchmarks/train_throughput.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/train_throughput.py", *sys.argv[1:]])
     header = [
         "# train_throughput\n",
         f"- command: `{command.strip()}`",
