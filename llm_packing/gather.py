@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from .layout import ignore_document_starts, ignore_masked, position_ids, segment_aranges
+from .resident_pages import RESIDENT_LIMIT
 
 
 def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages) -> None:
@@ -75,6 +76,8 @@ def _chunk_table(group, row_start, bin_offsets, lengths, first, last, group_row,
 # through per-token index arrays (~15 ns a token: two cumsums, a gather and a scatter): 6x faster on a group of
 # lognormal documents (median 250 tokens), slower for very short ones.
 _RUN_COPY_MIN_TOKENS = 64
+# Bytes of mapped input one slice may reach across: what can be mapped between two resident checks.
+_SLICE_SPAN = RESIDENT_LIMIT // 2
 
 
 class _Reader:
@@ -99,13 +102,25 @@ class _Reader:
             buffers = self._allocate(tokens)
         else:
             buffers = {name: buffer[:tokens] for name, buffer in self._buffers[slot].items()}
-        # Pieces are numbered in input order. Without mapped pages to bound, row order is faster: no scatter.
-        order = np.argsort(ids, kind="stable") if self._pages.bounds else np.arange(len(ids))
+        if self._pages.bounds:
+            # In the order the ids lie in the mapped input (an indices mapping may have shuffled the rows), each
+            # slice over at most `_SLICE_SPAN` bytes of it: every page read maps a whole page-cache folio (up to
+            # 2 MiB), so a slice of 1M tokens spread over 800 MiB of a 16 GiB input mapped 300-600 MiB between two
+            # checks of the resident limit.
+            addresses = self._starts["input_ids"][ids]
+            order = np.argsort(addresses, kind="stable")
+            addresses = addresses[order]
+            span = _SLICE_SPAN // self._columns["input_ids"].itemsize
+        else:  # nothing to bound: row order is faster (no scatter)
+            order = np.arange(len(ids))
         ends = np.cumsum(lengths[order])
         first = 0
         while first < len(order):
             base = ends[first - 1] if first else 0
-            last = max(int(np.searchsorted(ends, base + self._slice_tokens, side="right")), first + 1)
+            last = int(np.searchsorted(ends, base + self._slice_tokens, side="right"))
+            if self._pages.bounds:
+                last = min(last, int(np.searchsorted(addresses, addresses[first] + span, side="left")))
+            last = max(last, first + 1)
             part = order[first:last]
             size = int(ends[last - 1] - base)
             by_runs = size >= _RUN_COPY_MIN_TOKENS * len(part)
