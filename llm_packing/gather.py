@@ -15,7 +15,6 @@ import numpy as np
 import pyarrow as pa
 
 from .layout import ignore_document_starts, ignore_masked, position_ids, segment_aranges
-from .resident_pages import RESIDENT_LIMIT
 
 
 def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages) -> None:
@@ -76,8 +75,6 @@ def _chunk_table(group, row_start, bin_offsets, lengths, first, last, group_row,
 # through per-token index arrays (~15 ns a token: two cumsums, a gather and a scatter): 6x faster on a group of
 # lognormal documents (median 250 tokens), slower for very short ones.
 _RUN_COPY_MIN_TOKENS = 64
-# Bytes of mapped input one slice may reach across: what can be mapped between two resident checks.
-_SLICE_SPAN = RESIDENT_LIMIT // 2
 
 
 class _Reader:
@@ -104,13 +101,13 @@ class _Reader:
             buffers = {name: buffer[:tokens] for name, buffer in self._buffers[slot].items()}
         if self._pages.bounds:
             # In the order the ids lie in the mapped input (an indices mapping may have shuffled the rows), each
-            # slice over at most `_SLICE_SPAN` bytes of it: every page read maps a whole page-cache folio (up to
-            # 2 MiB), so a slice of 1M tokens spread over 800 MiB of a 16 GiB input mapped 300-600 MiB between two
-            # checks of the resident limit.
+            # slice over at most half the resident limit of it: every page read maps a whole page-cache folio (up
+            # to 2 MiB), so a slice of 1M tokens spread over 800 MiB of a 16 GiB input mapped 300-600 MiB between
+            # two checks of the 256 MiB limit.
             addresses = self._starts["input_ids"][ids]
             order = np.argsort(addresses, kind="stable")
             addresses = addresses[order]
-            span = _SLICE_SPAN // self._columns["input_ids"].itemsize
+            span = self._pages.limit // 2 // self._columns["input_ids"].itemsize
         else:  # nothing to bound: row order is faster (no scatter)
             order = np.arange(len(ids))
         ends = np.cumsum(lengths[order])

@@ -76,11 +76,13 @@ def test_pages_read_are_given_back(tmp_path):
 
 
 @pytest.mark.parametrize("limit", [1 << 20, 1 << 40])
-def test_packing_keeps_the_mapped_input_bounded(tmp_path, monkeypatch, limit):
+@pytest.mark.parametrize("chunk", [1 << 18, 1 << 20])
+def test_packing_keeps_the_mapped_input_bounded(tmp_path, monkeypatch, limit, chunk):
+    # `chunk` 1 << 20: one slice of tokens per group, its documents spread over the whole file (the span bound).
     ds = mapped(tmp_path, large_corpus())
     monkeypatch.setattr(resident_pages, "RESIDENT_LIMIT", limit)
     monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", 1 << 20)
-    monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", 1 << 18)
+    monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
     monkeypatch.setattr(token_columns, "_CHECK_WINDOW", 1 << 18)
     seen = []
     real = resident_pages._rss_file
