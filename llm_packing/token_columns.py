@@ -16,7 +16,6 @@ from .layout import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, invalid_tokens, lengt
 
 
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
-_SPAN_CHECK_CHUNKS = 64  # chunks whose offsets are read between two checks of the resident pages
 
 
 class TokenColumn:
@@ -56,7 +55,7 @@ class TokenColumn:
         self.bits = pa.types.is_boolean(column.type.value_type)  # Arrow packs booleans 8 to a byte
         dtype = np.dtype(np.uint8 if self.bits else column.type.value_type.to_pandas_dtype())
         self.itemsize = dtype.itemsize  # bytes per value in the input, as `row_start` counts them (not for masks)
-        self._span, self.row_start = _span(self._chunks, dtype, self.bits, len(self.lengths), pages)
+        self._span, self.row_start = _span(self._chunks, dtype, self.bits, len(self.lengths))
 
     def select(self, rows: np.ndarray) -> None:
         """Keep `rows` only, in that order (an indices mapping: `select`, `shuffle`, `filter`); values are not moved."""
@@ -161,18 +160,15 @@ def _check_pages(pages) -> None:
         pages.check()
 
 
-def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int, pages=None) -> tuple[np.ndarray, np.ndarray]:
+def _span(chunks, dtype: np.dtype, bits: bool, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """A read-only view from the lowest to the highest address of the chunks' values, and each row's first index in
     it (in bits for booleans). Chunks come from one memory map or from separate allocations: the view spans the gaps
-    between them, which are never read. Reading a chunk's offsets maps the page-cache folio around them (up to 2 MiB):
-    `pages` is checked every `_SPAN_CHECK_CHUNKS` chunks (10,000 chunks mapped 650 MiB)."""
+    between them, which are never read."""
     located = []  # per chunk: (address, size, first value's index in the buffer, list offsets), None without values
-    for number, chunk in enumerate(chunks):
+    for chunk in chunks:
         values = chunk.values
         data = values.buffers()[1] if len(values) else None
         located.append(None if data is None else (data.address, data.size, values.offset, chunk.offsets.to_numpy()))
-        if number % _SPAN_CHECK_CHUNKS == _SPAN_CHECK_CHUNKS - 1:
-            _check_pages(pages)
     row_start = np.zeros(num_rows, np.int64)
     present = [place for place in located if place is not None]
     if not present:
