@@ -15,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models on a 2-core machine shared by 2 xdist workers: extra intra-op threads only wait on each other.
 torch.set_num_threads(1)
 
+# Stand-in kernel packages, imported only by a subprocess of test_mixers.py (their modules are not tests).
+collect_ignore = ["fast_kernel_stand_ins"]
+
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llm_packing") + os.sep
 
 

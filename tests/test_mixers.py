@@ -6,12 +6,16 @@ architecture per mixer kind in every CI pass, and check the guards: caches refus
 restored, `verify_packing` catching a mixer that is not isolated, gradients through checkpointed mixers.
 """
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 from test_parity import TOLERANCE, _max_differences, _token_losses
-from tiny_models import packed_batch, tiny_model
+from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 
 from llm_packing import mixers, verify_packing
 from llm_packing.errors import ContaminationError, UnsupportedSetupError
@@ -61,6 +65,40 @@ def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE
+
+
+# Kernels each model type calls when flash-linear-attention (`fla`) and `causal_conv1d` are installed.
+FAST_KERNELS = {
+    "qwen3_5_text": {"causal_conv1d_fn", "chunk_gated_delta_rule"},
+    "olmo_hybrid": {"causal_conv1d_fn", "chunk_gated_delta_rule"},
+    "lfm2": {"causal_conv1d_fn"},
+    "nemotron_h": {"causal_conv1d_fn"},
+}
+
+
+@pytest.mark.slow
+def test_fast_kernels_get_one_document_per_row():
+    """With `fla` and `causal_conv1d` installed (stand-ins of their signatures here, computing transformers' torch
+    reference), transformers calls those kernels instead of its fallbacks. Under the hook they must see each document
+    as its own row of a plain batch (several documents of like length side by side), never the packed row's
+    `cu_seqlens` / `seq_idx`, and the logits stay exact. Mamba2's fused training kernel (`mamba_ssm`) has no
+    stand-in."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    stand_ins = os.path.join(tests, "fast_kernel_stand_ins")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([stand_ins, tests, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, os.path.join(stand_ins, "run_packed.py"), *FAST_KERNELS],
+                            capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [run["model_type"] for run in runs] == list(FAST_KERNELS)
+    longest = max(max(lengths) for lengths in PACKED_DOCUMENT_LENGTHS)
+    for run in runs:
+        calls = run["calls"]
+        assert {call["kernel"] for call in calls} == FAST_KERNELS[run["model_type"]], run
+        assert all(call["layout"] == [] for call in calls), calls
+        assert all(call["length"] <= longest for call in calls), calls  # a document's length, not the row's 18
+        assert max(call["batch_size"] for call in calls) > 1, calls  # documents of like length share a call
+        assert run["logits"] <= TOLERANCE and run["losses"] <= TOLERANCE, run
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "mamba2", "rwkv"])
