@@ -22,6 +22,11 @@ import time
 import numpy as np
 
 
+class _NoProgress:
+    def update(self, tokens):
+        pass
+
+
 def child(data: str, processes: int) -> dict:
     import datasets
 
@@ -47,7 +52,7 @@ def child(data: str, processes: int) -> dict:
         if pid == 0:
             offsets = plan.bin_offsets[first : last + 1]
             writer = packed_cache.PackedWriter(packed_cache.Destination(path, "", False), schema, plan.stats)
-            documents._write(plan.order[offsets[0] : offsets[-1]], offsets - offsets[0], writer)
+            documents._write(plan.order[offsets[0] : offsets[-1]], offsets - offsets[0], writer, _NoProgress())
             writer.finish(None)
             os._exit(0)
         workers.append(pid)

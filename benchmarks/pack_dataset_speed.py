@@ -88,7 +88,7 @@ def child(args) -> None:
         table = dataset.data.table.combine_chunks()
         dataset = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=f"in-memory-{args.rows}")
     if args.child == "ours":
-        pack = lambda ds: llm_packing.pack_dataset(ds, args.max_length)  # noqa: E731
+        pack = lambda ds: llm_packing.pack_dataset(ds, args.max_length, num_proc=args.num_proc)  # noqa: E731
     else:
         pack = lambda ds: trl_pack_dataset(ds, args.max_length, strategy="bfd")  # noqa: E731
     pack(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))  # imports and first-call costs, out of the timing
@@ -103,8 +103,10 @@ def child(args) -> None:
     sampler.stop()
     out = summary(packed.data.table)
     seq_tokens = int(pc.sum(pc.list_flatten(packed.data.table.column("seq_lengths"))).as_py() or 0)
-    print(json.dumps({"wall": wall, "user": cpu.ru_utime - cpu_before.ru_utime,
-                      "sys": cpu.ru_stime - cpu_before.ru_stime, "rss_rise": peak - before,
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN)  # num_proc's processes: CPU, largest peak RSS
+    print(json.dumps({"wall": wall, "user": cpu.ru_utime - cpu_before.ru_utime + workers.ru_utime,
+                      "sys": cpu.ru_stime - cpu_before.ru_stime + workers.ru_stime, "rss_rise": peak - before,
+                      "worker_rss": workers.ru_maxrss * 1024,
                       "anon_rise": sampler.peak - sampler.start,
                       "out": out, "seq_tokens": seq_tokens, "columns": packed.column_names,
                       "on_disk": bool(packed.cache_files)}))
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per packer")
     parser.add_argument("--only", choices=["ours", "trl"], help="run one packer only")
     parser.add_argument("--in-memory", action="store_true", help="read the corpus into memory before timing")
+    parser.add_argument("--num-proc", type=int, help="`num_proc` of our pack_dataset (its processes' CPU counts too)")
     parser.add_argument("--output", help="also write the report to this file")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -155,6 +158,7 @@ def main() -> None:
             command = [sys.executable, os.path.abspath(__file__), "--child", name, "--data", args.data,
                        "--rows", str(args.rows), "--max-length", str(args.max_length)]
             command += ["--in-memory"] if args.in_memory else []
+            command += ["--num-proc", str(args.num_proc)] if args.num_proc else []
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
             result = subprocess.run(command, capture_output=True, text=True, env=env)
             if result.returncode:
@@ -175,8 +179,9 @@ def main() -> None:
         last = done[-1]
         rows = last["out"]["rows"]
         speed_up = f"{median['trl'] / median[name]:.1f}x" if "trl" in median else "-"
+        label = NAMES[name] + (f", num_proc={args.num_proc}" if name == "ours" and args.num_proc else "")
         lines.append(
-            f"| {NAMES[name]} | {median[name]:.2f} s ({', '.join(f'{r_wall:.2f}' for r_wall in walls[name])}) "
+            f"| {label} | {median[name]:.2f} s ({', '.join(f'{r_wall:.2f}' for r_wall in walls[name])}) "
             f"| {len(done)} | {statistics.median(r['user'] for r in done):.2f} s + "
             f"{statistics.median(r['sys'] for r in done):.2f} s "
             f"| {source['tokens'] / median[name] / 1e6:.0f} M | {max(r['rss_rise'] for r in done) / 2**30:.2f} GiB "
@@ -184,6 +189,11 @@ def main() -> None:
             f"| {rows - lower_bound:,} ({(rows - lower_bound) / lower_bound:+.4%}) | {_kept(last, source, args)} "
             f"| {', '.join(last['columns'])}{' (file)' if last['on_disk'] else ' (memory)'} | {speed_up} |"
         )
+    if args.num_proc and "ours" in runs:
+        lines.append(f"\n- num_proc={args.num_proc}: CPU counts its processes; the peak RSS rise is the calling "
+                     "process's; the largest of its processes peaked at "
+                     f"{max(r['worker_rss'] for r in runs['ours']) / 2**30:.2f} GiB RSS (pages shared with the "
+                     "caller counted again)")
     if len(runs) == 2:
         pairs = [t["wall"] / o["wall"] for o, t in zip(runs["ours"], runs["trl"])]
         lines.append(f"\n- speed-up per pair: {', '.join(f'{p:.1f}x' for p in pairs)}")

@@ -9,6 +9,7 @@ was cut is counted in the stats.
 
 import dataclasses
 import logging
+import os
 
 import datasets
 import numpy as np
@@ -16,11 +17,13 @@ import pyarrow as pa
 from datasets.utils.tqdm import tqdm
 
 from .binpack import pack_sequences, seed_from_components
+from .checks import check_integer
 from .errors import PackingError, PackingTypeError, PackingValueError
 from .gather import write_rows
+from .gather_processes import row_ranges, write_in_processes
 from .layout import MASK_COLUMNS, segment_aranges
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
-from .packed_cache import PackedWriter, destination, load_cached
+from .packed_cache import Destination, PackedWriter, destination, load_cached, load_shards, shard_paths
 from .packed_metadata import record_packing
 from .resident_pages import ResidentPages
 from .token_columns import TokenColumn, row_windows
@@ -49,6 +52,7 @@ def pack_dataset(
     cache_file_name: str | None = None,
     load_from_cache_file: bool | None = None,
     buffer_size: int = 10_000,
+    num_proc: int | None = None,
     return_stats: bool = False,
 ):
     """
@@ -94,6 +98,11 @@ def pack_dataset(
             Load an existing cache file instead of packing again; defaults to `datasets.is_caching_enabled()`.
         buffer_size (`int`, *optional*, defaults to `10000`):
             Streaming only: sequences packed together; see [`~llm_packing.streaming.pack_iterable_dataset`].
+        num_proc (`int`, *optional*):
+            Processes that gather and write the packed rows of a split written to a cache file, each a contiguous
+            share of the rows into a shard file named as `Dataset.map(num_proc=...)` names them; the plan is made
+            once, and the shards hold the same rows as one process would write (a later call loads them whatever
+            its `num_proc`). Rows kept in memory are gathered in this process. Needs the `fork` start method.
         return_stats (`bool`, *optional*, defaults to `False`):
             Also return the [`~llm_packing.stats.PackingStats`] (a `dict` of them, by split, for a `DatasetDict`).
             The stats are logged on the `llm_packing` logger either way.
@@ -119,6 +128,7 @@ def pack_dataset(
     """
     check_max_length(max_length)
     check_overflow_policy(overflow)
+    check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
     options = dict(strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         if return_stats:
@@ -147,13 +157,13 @@ def pack_dataset(
         packed = {}
         for split, ds in dataset.items():
             try:
-                packed[split] = _pack_split(ds, max_length, overflow, options, storage)
+                packed[split] = _pack_split(ds, max_length, overflow, options, storage, num_proc=num_proc)
             except PackingError as error:  # same type, so `except SequenceTooLongError` still works
                 raise type(error)(f"Split {split!r}: {error}") from error
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
         stats = {split: split_stats for split, (_, split_stats) in packed.items()}
     elif isinstance(dataset, datasets.Dataset):
-        result, stats = _pack_split(dataset, max_length, overflow, options, storage)
+        result, stats = _pack_split(dataset, max_length, overflow, options, storage, num_proc=num_proc)
     else:
         raise PackingTypeError(
             f"`dataset` must be a datasets Dataset, DatasetDict, IterableDataset or IterableDatasetDict, got "
@@ -162,13 +172,13 @@ def pack_dataset(
     return (result, stats) if return_stats else result
 
 
-def _pack_split(dataset, max_length, overflow, options, storage, documents=None):
+def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None):
     """One split packed (or loaded from the cache), formatted like its input; `documents` if already read."""
     target = destination(dataset, dict(max_length=max_length, overflow=overflow, **options), **storage)
     cached = load_cached(target, dataset.split)
     if cached is None:
         documents = documents or _Documents(dataset, max_length, overflow)
-        packed, stats = documents.pack(target, dataset.split, **options)
+        packed, stats = documents.pack(target, dataset.split, num_proc=num_proc, **options)
     else:
         packed, stats = cached
     split = dataset.split
@@ -279,19 +289,45 @@ class _Documents:
                 if column is not None:
                     column.select(rows)
 
-    def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids):
-        result = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
-                                max_docs_per_bin=max_docs_per_bin)
-        stats = dataclasses.replace(result.stats, **self.pieces.counts())
+    def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids, num_proc=None):
+        plan = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
+                              max_docs_per_bin=max_docs_per_bin)
+        stats = dataclasses.replace(plan.stats, **self.pieces.counts())
         num_tokens = int(self.pieces.length.sum())
-        writer = PackedWriter(target, self._schema(num_tokens, return_position_ids), stats)
-        try:
-            self._write(result.order, result.bin_offsets, writer)
-        except BaseException:
-            writer.abort()
-            raise
+        schema = self._schema(num_tokens, return_position_ids)
+        with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
+            if num_proc and num_proc > 1 and target.path is not None:
+                return self._write_shards(plan, target, schema, stats, num_proc, progress, split), stats
+            writer = PackedWriter(target, schema, stats)
+            try:
+                self._write(plan.order, plan.bin_offsets, writer, progress)
+            except BaseException:
+                writer.abort()
+                raise
         return writer.finish(split), stats
 
+    def _write_shards(self, plan, target, schema, stats, num_proc, progress, split) -> datasets.Dataset:
+        """The rows gathered and written by `num_proc` forked processes, a contiguous share each (see
+        `gather_processes.py`)."""
+        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order])])
+        ranges = row_ranges(np.diff(doc_start[plan.bin_offsets]), num_proc)
+        paths = shard_paths(target.path, len(ranges))
+
+        def write_part(first, last, path, part_progress):
+            self.pages.restart()
+            offsets = plan.bin_offsets[first : last + 1]
+            writer = PackedWriter(Destination(path, target.fingerprint, False), schema, stats)
+            try:
+                self._write(plan.order[offsets[0] : offsets[-1]], offsets - offsets[0], writer, part_progress)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+
+        write_in_processes(write_part, ranges, paths, progress)
+        if os.path.exists(target.path):  # an older single file would be loaded before these shards
+            os.remove(target.path)
+        return load_shards(paths, split, target.fingerprint)
     def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
         tokens = datasets.Value("int32")
         token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)
@@ -300,13 +336,10 @@ class _Documents:
         features = datasets.Features({**dict.fromkeys(names, token_list), "seq_lengths": datasets.List(tokens)})
         return features.arrow_schema
 
-    def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter) -> None:
-        """Gather the packed rows (see `gather.py`) under a progress bar and hand them to `writer`."""
-        columns = dict(self._columns())
-        num_tokens = int(self.pieces.length.sum())
-        with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
-            write_rows(columns, self.pieces, order, bin_offsets, writer, progress, chunk_tokens=_GATHER_CHUNK,
-                       group_tokens=_GROUP_TOKENS, pages=self.pages)
+    def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter, progress) -> None:
+        """Gather the packed rows (see `gather.py`), advancing `progress`, and hand them to `writer`."""
+        write_rows(dict(self._columns()), self.pieces, order, bin_offsets, writer, progress,
+                   chunk_tokens=_GATHER_CHUNK, group_tokens=_GROUP_TOKENS, pages=self.pages)
 
     def _columns(self):
         """The columns read when gathering, by name."""

@@ -10,6 +10,7 @@ file written with another column layout is never read as this one.
 
 import concurrent.futures
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -61,17 +62,53 @@ def destination(dataset: datasets.Dataset, options: dict, *, keep_in_memory: boo
     return Destination(os.path.join(directory, name), fingerprint, load)
 
 
+def shard_paths(path: str, num_shards: int) -> list[str]:
+    """The files of a packed split written by `num_shards` processes, as `Dataset.map(num_proc=...)` names them.
+
+    Example:
+    ```python
+    >>> shard_paths("/cache/packed.arrow", 2)
+    ['/cache/packed_00000_of_00002.arrow', '/cache/packed_00001_of_00002.arrow']
+
+    ```
+    """
+    stem, extension = os.path.splitext(path)
+    return [f"{stem}_{rank:05d}_of_{num_shards:05d}{extension}" for rank in range(num_shards)]
+
+
 def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingStats] | None:
-    """The packed dataset and its stats from `target.path`, if it may be loaded and was written by this layout."""
-    if not (target.load_from_cache_file and target.path and os.path.exists(target.path)):
+    """The packed dataset and its stats from `target.path` (or the shards of it that several processes wrote), if it
+    may be loaded and was written by this layout."""
+    if not (target.load_from_cache_file and target.path):
         return None
-    table = datasets.table.MemoryMappedTable.from_file(target.path)
-    metadata = json.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
+    paths = [target.path] if os.path.exists(target.path) else _existing_shards(target.path)
+    if not paths:
+        return None
+    tables = [datasets.table.MemoryMappedTable.from_file(path) for path in paths]
+    metadata = json.loads((tables[0].schema.metadata or {}).get(_METADATA_KEY, b"{}"))
     if metadata.get("layout") != LAYOUT_VERSION:  # a file of another layout under a name given by the user
         return None
-    logger.info("Loading cached packed dataset at %s", target.path)
+    logger.info("Loading cached packed dataset at %s", paths[0] if len(paths) == 1 else f"{len(paths)} shards of "
+                f"{target.path}")
     stats = PackingStats(**metadata["stats"])
-    return _dataset(table, split, target.fingerprint), stats
+    return _dataset(datasets.table.concat_tables(tables), split, target.fingerprint), stats
+
+
+def _existing_shards(path: str) -> list[str]:
+    """Every shard of `path` if one complete set of them exists (the most recent), else []."""
+    stem, extension = os.path.splitext(path)
+    first = sorted(glob.glob(f"{glob.escape(stem)}_00000_of_*{extension}"), key=os.path.getmtime, reverse=True)
+    for candidate in first:
+        count = candidate[len(stem) + len("_00000_of_") : len(candidate) - len(extension)]
+        if count.isdigit() and all(os.path.exists(shard) for shard in shard_paths(path, int(count))):
+            return shard_paths(path, int(count))
+    return []
+
+
+def load_shards(paths: list[str], split, fingerprint: str) -> datasets.Dataset:
+    """The packed dataset made of the shard files `paths`, in order."""
+    tables = [datasets.table.MemoryMappedTable.from_file(path) for path in paths]
+    return _dataset(datasets.table.concat_tables(tables), split, fingerprint)
 
 
 class PackedWriter:
@@ -128,6 +165,11 @@ class PackedWriter:
             table = pa.concat_tables(self._tables) if self._tables else self.schema.empty_table()
             return _dataset(datasets.table.InMemoryTable(table.replace_schema_metadata(self.schema.metadata)), split,
                             self.target.fingerprint)
+        self.close()
+        return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
+
+    def close(self) -> None:
+        """Finish the file: wait for every write, close the stream and move the file to `target.path`."""
         self._threads.shutdown()
         try:
             for written in self._written:
@@ -138,7 +180,6 @@ class PackedWriter:
             raise
         os.close(self._fd)
         os.replace(self._temporary, self.target.path)
-        return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
 
     def abort(self) -> None:
         if self._fd is not None:

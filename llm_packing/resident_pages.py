@@ -51,6 +51,10 @@ class ResidentPages:
         """Whether the mappings are larger than the limit, so that the order of reads decides what stays resident."""
         return sum(end - start for start, end in self.mappings) > self.limit
 
+    def restart(self) -> None:
+        """Count from this process's file-backed resident memory now (a forked process starts from its own)."""
+        self._level = _rss_file() if self.mappings else 0
+
     def check(self) -> None:
         """Give the mappings' pages back if the process's file-backed resident memory rose past the limit."""
         if self.mappings and _rss_file() - self._level > self.limit:

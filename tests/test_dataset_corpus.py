@@ -14,7 +14,7 @@ from llm_packing import dataset as dataset_module
 from llm_packing import packed_cache, token_columns
 from llm_packing.collator import DataCollatorWithPacking
 from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
-from llm_packing.errors import PackingValueError
+from llm_packing.errors import PackingError, PackingValueError
 from llm_packing.stats import PackingStats
 
 
@@ -256,3 +256,47 @@ def test_row_starts_past_int32():
     chunks = [_FakeChunk(1 << 20, [0, 2, 5]), _FakeChunk((1 << 20) + (8 << 30), [0, 3])]
     _, row_start = token_columns._span(chunks, np.dtype(np.int32), False, 3)
     assert row_start.tolist() == [1, 3, (8 << 30) // 4 + 1]
+
+
+class TestNumProc:
+    """`num_proc`: the rows of a split written to a cache file, gathered by forked processes into shard files."""
+
+    def test_same_rows_and_cache_whatever_num_proc(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", 64)  # many chunks, so that every process writes several
+        ds = mapped(tmp_path, random_columns(num_rows=300))
+        expected = pack_dataset(ds, 40, overflow="split", keep_in_memory=True, return_position_ids=True)
+        sharded = pack_dataset(ds, 40, overflow="split", num_proc=3, return_position_ids=True)
+        assert [file["filename"].rsplit("_", 3)[-3:] for file in sharded.cache_files] == [
+            ["00000", "of", "00003.arrow"], ["00001", "of", "00003.arrow"], ["00002", "of", "00003.arrow"]]
+        assert sharded.to_dict() == expected.to_dict()
+        monkeypatch.setattr(dataset_module, "_Documents", None)  # loading must not read the documents
+        assert pack_dataset(ds, 40, overflow="split", return_position_ids=True).to_dict() == expected.to_dict()
+
+    def test_a_single_file_written_later_is_loaded_before_older_shards(self, tmp_path):
+        ds = mapped(tmp_path, random_columns())
+        pack_dataset(ds, 40, num_proc=2)
+        single = pack_dataset(ds, 40, load_from_cache_file=False)
+        assert len(single.cache_files) == 1 and pack_dataset(ds, 40).cache_files == single.cache_files
+        shards = pack_dataset(ds, 40, num_proc=2, load_from_cache_file=False)  # replaces the single file
+        assert pack_dataset(ds, 40).cache_files == shards.cache_files and len(shards.cache_files) == 2
+
+    def test_a_failing_process_leaves_no_shard_and_says_why(self, tmp_path, monkeypatch):
+        ds = mapped(tmp_path, random_columns())
+        real = packed_cache.PackedWriter.close
+
+        def fail_in_second_shard(self):
+            if "_00001_of_" in self.target.path:
+                raise OSError(28, "No space left on device")
+            real(self)
+
+        monkeypatch.setattr(packed_cache.PackedWriter, "close", fail_in_second_shard)
+        with pytest.raises(PackingError, match=r"1 of the 2 `num_proc` packing processes failed(.|\n)*No space left"):
+            pack_dataset(ds, 40, num_proc=2)
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["documents.arrow"]
+
+    def test_in_memory_rows_ignore_num_proc_and_bad_values_are_refused(self, tmp_path):
+        columns = random_columns()
+        assert pack_dataset(Dataset.from_dict(columns), 40, num_proc=2).to_dict() == \
+            pack_dataset(Dataset.from_dict(columns), 40).to_dict()
+        with pytest.raises(PackingValueError, match=r"`num_proc` must be a positive integer or None .*got 0"):
+            pack_dataset(Dataset.from_dict(columns), 40, num_proc=0)
