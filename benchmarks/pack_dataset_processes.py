@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ def child(data: str, processes: int) -> dict:
     tables = [datasets.table.MemoryMappedTable.from_file(path) for path in paths]
     rows = sum(len(table) for table in tables)
     after, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    shutil.rmtree(directory)
     return {"processes": processes, "wall": time.perf_counter() - start, "failed": len(failed), "rows": rows,
             "cpu": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime + children.ru_utime
             + children.ru_stime}
