@@ -1,5 +1,6 @@
-"""Would `num_proc` pay? The gather of one `pack_dataset` call split over N forked processes, each writing its rows to a
-file of its own, against one process doing the same.
+"""Would `num_proc` pay? The gather of one `pack_dataset` call over N forked processes against one process.
+
+Each of the N processes writes its share of the rows to a file of its own.
 
     python benchmarks/pack_dataset_processes.py --data /tmp/corpus-1m.arrow   # the corpus of pack_dataset_speed.py
 
