@@ -296,7 +296,7 @@ class _Documents:
         num_tokens = int(self.pieces.length.sum())
         schema = self._schema(num_tokens, return_position_ids)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
-            if num_proc and num_proc > 1 and target.path is not None:
+            if num_proc and num_proc > 1 and target.path is not None and len(plan.bin_offsets) > 2:
                 return self._write_shards(plan, target, schema, stats, num_proc, progress, split), stats
             writer = PackedWriter(target, schema, stats)
             try:
@@ -328,6 +328,7 @@ class _Documents:
         if os.path.exists(target.path):  # an older single file would be loaded before these shards
             os.remove(target.path)
         return load_shards(paths, split, target.fingerprint)
+
     def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
         tokens = datasets.Value("int32")
         token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)

@@ -294,6 +294,12 @@ class TestNumProc:
             pack_dataset(ds, 40, num_proc=2)
         assert sorted(path.name for path in tmp_path.iterdir()) == ["documents.arrow"]
 
+    def test_fewer_rows_than_processes(self, tmp_path):
+        for rows in ([], [[1, 2]], [[1, 2], [3] * 39]):
+            ds = mapped(tmp_path, {"input_ids": rows} if rows else {"input_ids": [[1]]}, name=f"{len(rows)}.arrow")
+            ds = ds if rows else ds.select([])
+            assert pack_dataset(ds, 40, num_proc=4).to_dict() == pack_dataset(ds, 40, keep_in_memory=True).to_dict()
+
     def test_in_memory_rows_ignore_num_proc_and_bad_values_are_refused(self, tmp_path):
         columns = random_columns()
         assert pack_dataset(Dataset.from_dict(columns), 40, num_proc=2).to_dict() == \
