@@ -302,7 +302,8 @@ def train(script_args, training_args, model_args, packing_args):
         max_docs_per_bin = packing_args.max_docs_per_bin if packing_args.block_diag_attn else 1
         rows, stats = pack_dataset(documents, training_args.max_length, strategy=packing_args.packing_strategy,
                                    seed=packing_args.packing_seed, overflow=packing_args.overflow,
-                                   max_docs_per_bin=max_docs_per_bin, return_stats=True)
+                                   max_docs_per_bin=max_docs_per_bin, num_proc=training_args.dataset_num_proc,
+                                   return_stats=True)
     layout = ("padding-free" if packing_args.padding_free
               else "indexed mask" if packing_args.block_diag_attn else "unpacked")
     # pack_dataset has logged the stats (on rank 0 only, see `_setup_logging`).
