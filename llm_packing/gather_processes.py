@@ -39,9 +39,9 @@ def row_ranges(row_tokens: np.ndarray, parts: int) -> list[tuple[int, int]]:
 def write_in_processes(write_part, ranges: list[tuple[int, int]], paths: list[str], progress) -> None:
     """
     Call `write_part(first_row, last_row, path, progress)` for each range and path, each in a forked process, and
-    advance `progress` (a `tqdm` bar) by the tokens the processes report. A process that fails removes nothing of the
-    others: the caller's shard files are removed here and its error is raised as a [`~llm_packing.errors.PackingError`]
-    with the worker's traceback.
+    advance `progress` (a `tqdm` bar) by the tokens the processes report. If a process fails (or this one is
+    interrupted), every shard file is removed and the failure is raised as a [`~llm_packing.errors.PackingError`]
+    carrying the worker's traceback.
     """
     context = multiprocessing.get_context("fork")
     done_tokens = context.Value("q", 0)
