@@ -23,7 +23,7 @@ from .gather import write_rows
 from .gather_processes import row_ranges, write_in_processes
 from .layout import MASK_COLUMNS, segment_aranges
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
-from .packed_cache import Destination, PackedWriter, destination, load_cached, load_shards, shard_paths
+from .packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
 from .packed_metadata import record_packing
 from .resident_pages import ResidentPages
 from .token_columns import TokenColumn, row_windows
@@ -327,7 +327,7 @@ class _Documents:
         write_in_processes(write_part, ranges, paths, progress)
         if os.path.exists(target.path):  # an older single file would be loaded before these shards
             os.remove(target.path)
-        return load_shards(paths, split, target.fingerprint)
+        return load_files(paths, split, target.fingerprint)
 
     def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
         tokens = datasets.Value("int32")

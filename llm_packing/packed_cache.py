@@ -84,14 +84,14 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     paths = [target.path] if os.path.exists(target.path) else _existing_shards(target.path)
     if not paths:
         return None
-    tables = [datasets.table.MemoryMappedTable.from_file(path) for path in paths]
-    metadata = json.loads((tables[0].schema.metadata or {}).get(_METADATA_KEY, b"{}"))
+    table = _memory_mapped(paths)
+    metadata = json.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
     if metadata.get("layout") != LAYOUT_VERSION:  # a file of another layout under a name given by the user
         return None
     logger.info("Loading cached packed dataset at %s", paths[0] if len(paths) == 1 else f"{len(paths)} shards of "
                 f"{target.path}")
     stats = PackingStats(**metadata["stats"])
-    return _dataset(datasets.table.concat_tables(tables), split, target.fingerprint), stats
+    return _dataset(table, split, target.fingerprint), stats
 
 
 def _existing_shards(path: str) -> list[str]:
@@ -105,10 +105,13 @@ def _existing_shards(path: str) -> list[str]:
     return []
 
 
-def load_shards(paths: list[str], split, fingerprint: str) -> datasets.Dataset:
-    """The packed dataset made of the shard files `paths`, in order."""
-    tables = [datasets.table.MemoryMappedTable.from_file(path) for path in paths]
-    return _dataset(datasets.table.concat_tables(tables), split, fingerprint)
+def load_files(paths: list[str], split, fingerprint: str) -> datasets.Dataset:
+    """The packed dataset made of the files `paths` (one, or the shards of one), in order, memory-mapped."""
+    return _dataset(_memory_mapped(paths), split, fingerprint)
+
+
+def _memory_mapped(paths: list[str]):
+    return datasets.table.concat_tables([datasets.table.MemoryMappedTable.from_file(path) for path in paths])
 
 
 class PackedWriter:
@@ -166,7 +169,7 @@ class PackedWriter:
             return _dataset(datasets.table.InMemoryTable(table.replace_schema_metadata(self.schema.metadata)), split,
                             self.target.fingerprint)
         self.close()
-        return _dataset(datasets.table.MemoryMappedTable.from_file(self.target.path), split, self.target.fingerprint)
+        return load_files([self.target.path], split, self.target.fingerprint)
 
     def close(self) -> None:
         """Finish the file: wait for every write, close the stream and move the file to `target.path`."""
