@@ -13,10 +13,13 @@ import dataclasses
 import glob
 import json
 import logging
+import mmap
 import os
 import tempfile
+import threading
 
 import datasets
+import numpy as np
 import pyarrow as pa
 from datasets.fingerprint import Hasher
 
@@ -30,6 +33,7 @@ _METADATA_KEY = b"llm_packing"
 _ROWS_PER_RECORD_BATCH = 1000  # as `.map` writes them
 _WRITER_THREADS = 2
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an IPC stream's closing marker: continuation, length 0
+_DROP_BEHIND_BYTES = 64 << 20  # written pages further behind the newest chunk than this leave the page cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +115,27 @@ def load_files(paths: list[str], split, fingerprint: str) -> datasets.Dataset:
 
 
 def _memory_mapped(paths: list[str]):
-    return datasets.table.concat_tables([datasets.table.MemoryMappedTable.from_file(path) for path in paths])
+    return datasets.table.concat_tables([_open_memory_mapped(path) for path in paths])
+
+
+def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
+    """
+    `MemoryMappedTable.from_file(path)` without reading the rows: only the record batches' headers are read.
+
+    `from_file` maps with `pa.memory_map`, which asks the kernel to read ahead every record batch it opens
+    (`MADV_WILLNEED`), and each header read faults in the readahead window around it (8 MiB on this project's
+    machines): opening a packed file read all of it from disk into the page cache, out of which `PackedWriter` had
+    just dropped it. Here the headers are read from a mapping without readahead (`MADV_RANDOM`), set back to normal
+    readahead for the rows read later. A pickled copy (a `DataLoader` worker's) opens it with `from_file`.
+    """
+    if not hasattr(mmap, "MADV_RANDOM"):  # Windows
+        return datasets.table.MemoryMappedTable.from_file(path)
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    table = pa.ipc.open_stream(pa.py_buffer(mapped)).read_all()
+    mapped.madvise(mmap.MADV_NORMAL)
+    return datasets.table.MemoryMappedTable(table, path)
 
 
 class PackedWriter:
@@ -121,11 +145,17 @@ class PackedWriter:
 
     The file is the Arrow IPC stream that `pa.ipc.new_stream` would write, byte for byte, but its record batches are
     written by `_WRITER_THREADS` threads at once, each at an offset fixed in order when its chunk is handed over
-    (`pa.ipc.get_record_batch_size`), while the next rows are gathered. Writing is mostly page faults on page-cache
-    memory the process has not touched yet (about 2.4 s of system time per GiB on this project's virtual machines,
-    which return freed memory to the host), and two writers overlap them: packing 1M memory-mapped rows (1.6 GB of
-    ids) took 3.56-3.92 s of wall time with two against 3.93-4.07 s with one. `write` returns a future, done
-    once the chunk's arrays may be reused.
+    (`pa.ipc.get_record_batch_size`), while the next rows are gathered. `write` returns a future, done once the
+    chunk's arrays may be reused.
+
+    Writes drop behind them, as a streaming writer should: each written chunk is sent to disk at once, and the pages
+    of the file more than `_DROP_BEHIND_BYTES` behind the newest chunk leave the page cache once on disk (the kernel
+    keeps any not written yet), so the next chunks reuse them. The page cache holds a window of the output, not all
+    of it: a corpus-sized output does not evict the input it is gathered from, and the process does not touch a
+    page of memory per page of output. Fresh page-cache memory is what writing costs on virtual machines that return
+    freed memory to the host (about 2.4 s of system time per GiB on this project's): 1.6 GB written 4 MiB at a
+    time took 0.6 s with drop-behind against 4.0 s without (`benchmarks/first_touch.py`). The packed rows are then
+    read from disk the first time training reads them.
     """
 
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
@@ -140,7 +170,11 @@ class PackedWriter:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
             self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
-            self._offset = _write_at(self._fd, self.schema.serialize(), 0)
+            self._schema_message = self.schema.serialize()
+            self._offset = _write_at(self._fd, self._schema_message, 0)
+            self._buffers = threading.local()  # each writing thread's serialization buffer
+            self._dropped = 0  # the file's bytes before this may have left the page cache
+            self._dropping = threading.Lock()
             self._threads = concurrent.futures.ThreadPoolExecutor(_WRITER_THREADS,
                                                                   thread_name_prefix="llm_packing-writer")
 
@@ -160,8 +194,34 @@ class PackedWriter:
         for batch in batches:
             offsets.append(offsets[-1] + pa.ipc.get_record_batch_size(batch))
         self._offset = offsets[-1]
-        self._written.append(self._threads.submit(_write_batches, self._fd, batches, offsets))
+        self._written.append(self._threads.submit(self._write_batches, batches, offsets))
         return self._written[-1]
+
+    def _write_batches(self, batches: list[pa.RecordBatch], offsets: list[int]) -> None:
+        _write_at(self._fd, self._serialized(batches, offsets[-1] - offsets[0]), offsets[0])
+        if not hasattr(os, "posix_fadvise"):  # macOS, Windows: the page cache keeps everything
+            return
+        # DONTNEED starts writing dirty pages back and drops the clean ones: this chunk is sent to disk, and the
+        # pages far enough behind it (on disk by now, unless the disk is slower than the gather) are dropped.
+        os.posix_fadvise(self._fd, offsets[0], offsets[-1] - offsets[0], os.POSIX_FADV_DONTNEED)
+        with self._dropping:
+            start = self._dropped
+            end = self._dropped = max(start, offsets[0] - _DROP_BEHIND_BYTES)
+        if end > start:
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def _serialized(self, batches: list[pa.RecordBatch], size: int) -> memoryview:
+        """The IPC messages of `batches` (`size` bytes), in this thread's buffer, reused from chunk to chunk: a new
+        buffer per batch (`RecordBatch.serialize`) is fresh memory that costs page faults every time."""
+        buffer = getattr(self._buffers, "array", None)
+        header = len(self._schema_message)
+        if buffer is None or len(buffer) < header + size:
+            buffer = self._buffers.array = np.empty(header + size, np.uint8)
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buffer))
+        stream = pa.ipc.new_stream(sink, self.schema)  # writes the schema message first: skipped below
+        for batch in batches:
+            stream.write_batch(batch)
+        return memoryview(buffer)[header : header + size]
 
     def finish(self, split) -> datasets.Dataset:
         if self._fd is None:
@@ -190,11 +250,6 @@ class PackedWriter:
             os.close(self._fd)
             os.remove(self._temporary)
             self._fd = None
-
-
-def _write_batches(fd: int, batches: list[pa.RecordBatch], offsets: list[int]) -> None:
-    for batch, offset in zip(batches, offsets[:-1], strict=True):
-        _write_at(fd, batch.serialize(), offset)
 
 
 def _write_at(fd: int, data, offset: int) -> int:

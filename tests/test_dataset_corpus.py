@@ -207,6 +207,44 @@ class TestCache:
         assert packed.data.table.equals(pa.concat_tables(chunks).replace_schema_metadata(writer.schema.metadata))
         assert len(list(tmp_path.iterdir())) == 2
 
+    def test_written_pages_are_sent_to_disk_and_dropped_behind_a_window(self, tmp_path, monkeypatch):
+        # Every chunk's bytes are handed to the kernel's writeback once written (a DONTNEED on dirty pages starts
+        # it), and the bytes more than the window behind the newest chunk are dropped once, never those within it.
+        monkeypatch.setattr(packed_cache, "_DROP_BEHIND_BYTES", 4096)
+        advised = []
+        real = packed_cache.os.posix_fadvise
+        monkeypatch.setattr(packed_cache.os, "posix_fadvise", lambda fd, offset, length, advice: (
+            advised.append((offset, offset + length, advice)), real(fd, offset, length, advice))[-1])
+        schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
+        target = packed_cache.Destination(str(tmp_path / "packed.arrow"), "fingerprint", False)
+        writer = packed_cache.PackedWriter(target, schema, _STATS)
+        chunks = []
+        for _ in range(20):
+            chunks.append((writer._offset, writer.write(pa.table({"input_ids": [list(range(1000))]}, schema=schema))))
+            chunks[-1][1].result()  # one at a time: which ranges are dropped is then known
+        end = writer._offset
+        writer.finish(None)
+        assert {advice for _, _, advice in advised} == {packed_cache.os.POSIX_FADV_DONTNEED}
+        starts = [start for start, _ in chunks]
+        sent = [(a, b) for a, b, _ in advised if a in starts]
+        assert sent == list(zip(starts, starts[1:] + [end]))
+        dropped = [(a, b) for a, b, _ in advised if (a, b) not in sent]
+        assert dropped[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(dropped, dropped[1:]))
+        assert dropped[-1][1] == starts[-1] - 4096
+        assert (tmp_path / "packed.arrow").stat().st_size == end + 8
+
+    def test_packed_files_open_without_reading_the_rows(self, tmp_path):
+        # As `MemoryMappedTable.from_file` opens them (same table, path, pickling), but through a mapping without
+        # readahead, so that opening does not read back what `PackedWriter` just dropped from the page cache.
+        import pickle
+
+        ds = mapped(tmp_path, random_columns(masks=False), rows_per_batch=3)
+        path = ds.cache_files[0]["filename"]
+        table = packed_cache._open_memory_mapped(path)
+        reference = datasets.table.MemoryMappedTable.from_file(path)
+        assert table.table.equals(reference.table) and table.path == path
+        assert pickle.loads(pickle.dumps(table)).table.equals(reference.table)
+
     def test_a_failed_write_leaves_no_file(self, tmp_path, monkeypatch):
         def full_disk(*args):
             raise OSError(28, "No space left on device")
