@@ -22,6 +22,7 @@ from .errors import PackingError, PackingTypeError, PackingValueError
 from .gather import write_rows
 from .gather_processes import row_ranges, write_in_processes
 from .layout import MASK_COLUMNS, segment_aranges
+from .locality import local_order
 from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from .packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
 from .packed_metadata import record_packing
@@ -60,7 +61,8 @@ def pack_dataset(
 
     Every split is packed at once (one `pack_sequences` call over all its documents, not per `map` batch). Columns
     other than `input_ids`, `labels`, `completion_mask` and `assistant_masks` are dropped: a packed row has no single
-    value for a per-example column. Rows come out in the engine's bin order; the Trainer's sampler shuffles them.
+    value for a per-example column. Rows come out in input order, roughly (see `locality.py`; with a `seed`, in a random order); the Trainer's
+    sampler shuffles them.
     Like `Dataset.map`, the rows are written to an Arrow file beside the input's cache files and memory-mapped, and
     a second call with the same input and options loads that file instead of packing again; an in-memory input keeps
     its packed rows in memory.
@@ -293,6 +295,10 @@ class _Documents:
         plan = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
                               max_docs_per_bin=max_docs_per_bin)
         stats = dataclasses.replace(plan.stats, **self.pieces.counts())
+        if seed is None and strategy != "nf":  # a seed asks for random pairings; next-fit already follows the input
+            addresses = self.input_ids.row_start[self.pieces.source] + self.pieces.start
+            order, bin_offsets = local_order(plan.order, plan.bin_offsets, self.pieces.length, addresses)
+            plan = dataclasses.replace(plan, order=order, bin_offsets=bin_offsets)
         num_tokens = int(self.pieces.length.sum())
         schema = self._schema(num_tokens, return_position_ids)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
