@@ -22,6 +22,9 @@ the peak resident set (VmHWM) over the resident set just before the call; it cou
 and output that the process touched, which the kernel can drop at will, so the peak rise of anonymous memory
 (RssAnon, sampled every 20 ms) is given too. Each output is checked after the timing: every token of the input there
 once (count, `seq_lengths` and int64 sum of the ids agree), no row over `max_length`, rows over the lower bound.
+That check reads every packed row once, and its time is reported as the first read of the output: what reading the
+packed rows costs the first epoch, from the page cache (TRL's output) or mostly from disk (ours drops behind it,
+see `PackedWriter`).
 """
 
 import argparse
@@ -101,13 +104,16 @@ def child(args) -> None:
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     peak = _status("VmHWM")
     sampler.stop()
+    start = time.perf_counter()
     out = summary(packed.data.table)
+    read_back = time.perf_counter() - start
     seq_tokens = int(pc.sum(pc.list_flatten(packed.data.table.column("seq_lengths"))).as_py() or 0)
     workers = resource.getrusage(resource.RUSAGE_CHILDREN)  # num_proc's processes: CPU, largest peak RSS
     print(json.dumps({"wall": wall, "user": cpu.ru_utime - cpu_before.ru_utime + workers.ru_utime,
                       "sys": cpu.ru_stime - cpu_before.ru_stime + workers.ru_stime, "rss_rise": peak - before,
                       "worker_rss": workers.ru_maxrss * 1024,
                       "anon_rise": sampler.peak - sampler.start,
+                      "read_back": read_back,
                       "out": out, "seq_tokens": seq_tokens, "columns": packed.column_names,
                       "on_disk": bool(packed.cache_files)}))
 
@@ -170,8 +176,8 @@ def main() -> None:
                   f"{run['anon_rise'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     lines += [
         ("| packer | time (median) | runs | CPU user + sys (median) | tokens/s | peak RSS rise | peak anon rise "
-         "| packed rows | over LB | every token kept | output | speed-up vs TRL |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "| packed rows | over LB | every token kept | output | first read of the output | speed-up vs TRL |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     walls = {name: [run["wall"] for run in done] for name, done in runs.items()}
     median = {name: statistics.median(times) for name, times in walls.items()}
@@ -187,7 +193,8 @@ def main() -> None:
             f"| {source['tokens'] / median[name] / 1e6:.0f} M | {max(r['rss_rise'] for r in done) / 2**30:.2f} GiB "
             f"| {max(r['anon_rise'] for r in done) / 2**30:.2f} GiB | {rows:,} "
             f"| {rows - lower_bound:,} ({(rows - lower_bound) / lower_bound:+.4%}) | {_kept(last, source, args)} "
-            f"| {', '.join(last['columns'])}{' (file)' if last['on_disk'] else ' (memory)'} | {speed_up} |"
+            f"| {', '.join(last['columns'])}{' (file)' if last['on_disk'] else ' (memory)'} "
+            f"| {statistics.median(r['read_back'] for r in done):.2f} s | {speed_up} |"
         )
     if args.num_proc and "ours" in runs:
         lines.append(f"\n- num_proc={args.num_proc}: CPU counts its processes; the peak RSS rise is the calling "
