@@ -27,7 +27,7 @@ from .overflow import OverflowPolicy, check_max_length, check_overflow_policy, c
 from .packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
 from .packed_metadata import record_packing
 from .resident_pages import ResidentPages
-from .token_columns import TokenColumn, row_windows
+from .token_columns import TokenColumn, ValueChecks, row_windows
 
 
 __all__ = ["PackedDatasetEpochs", "pack_dataset"]
@@ -258,34 +258,62 @@ class _Documents:
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
         # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
         rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        # The whole table behind a mapping is checked: a bad value may be in a row left out, and an error must name
+        # the row as the caller counts it. Then the picked rows alone are checked again (gathered: rare). With no
+        # rows, `data.table` may still hold every row behind the mapping.
+        self._picked_rows = None if rows is None else (
+            lambda: dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0))
         try:
             self._read(dataset.data.table, rows)
         except PackingError:
             if rows is None:
                 raise
-            # The whole table behind the mapping was checked: the bad value may be in a row left out, and an error
-            # must name the row as the caller counts it. Checked again on the picked rows alone (gathered: rare).
-            # With no rows, `data.table` may still hold every row behind the mapping.
-            self._read(dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0), None)
-        self.pieces = cut_pieces(self.input_ids.lengths, max_length, overflow)
+            self._read_picked_rows()
+        try:
+            self.pieces = cut_pieces(self.input_ids.lengths, max_length, overflow)
+        except PackingError:
+            self.raise_bad_values()  # a bad value is reported before an over-long row, as when checked first
+            raise
         self.max_length = max_length
         # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
         self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(
             self.input_ids, [column for column in (self.labels, *self.masks) if column], self.pages)
 
+    def raise_bad_values(self, wait: bool = True) -> None:
+        """Raise the error of a failed value check (they run on a thread, see `ValueChecks`); with `wait=False`,
+        only of the checks done so far."""
+        try:
+            self._checks.raise_failed(wait)
+        except PackingError:
+            if self._picked_rows is None:
+                raise
+            self._read_picked_rows()
+            self._checks.raise_failed()
+
+    def _read_picked_rows(self) -> None:
+        picked_rows, self._picked_rows = self._picked_rows, None
+        self._read(picked_rows(), None)
+
     def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
-        """The token columns of `table`, checked, then narrowed to `rows` if given."""
+        """The token columns of `table`, their lengths checked (their values on a thread), then narrowed to `rows`
+        if given."""
         if "input_ids" not in table.column_names:
             raise PackingValueError(
                 f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
                 "`dataset.map(lambda ex: tokenizer(ex['text']))`."
             )
         self.pages = ResidentPages(table)  # documents are read all over a memory-mapped input: bound what stays mapped
-        self.input_ids = TokenColumn(table, "input_ids", pages=self.pages)
-        lengths = self.input_ids.lengths
-        self.labels = TokenColumn(table, "labels", lengths, self.pages) if "labels" in table.column_names else None
-        self.masks = [TokenColumn(table, name, lengths, self.pages) for name in MASK_COLUMNS
-                      if name in table.column_names]
+        self._checks = ValueChecks()
+        try:
+            self.input_ids = TokenColumn(table, "input_ids", pages=self.pages, checks=self._checks)
+            lengths = self.input_ids.lengths
+            self.labels = TokenColumn(table, "labels", lengths, self.pages, self._checks) \
+                if "labels" in table.column_names else None
+            self.masks = [TokenColumn(table, name, lengths, self.pages, self._checks) for name in MASK_COLUMNS
+                          if name in table.column_names]
+        except PackingError:
+            self._checks.raise_failed()  # an earlier column's bad value first, as when checked in turn
+            raise
         if rows is not None:
             for column in (self.input_ids, self.labels, *self.masks):
                 if column is not None:
@@ -307,6 +335,7 @@ class _Documents:
             writer = PackedWriter(target, schema, stats)
             try:
                 self._write(plan.order, plan.bin_offsets, writer, progress)
+                self.raise_bad_values()
             except BaseException:
                 writer.abort()
                 raise
@@ -315,6 +344,7 @@ class _Documents:
     def _write_shards(self, plan, target, schema, stats, num_proc, progress, split) -> datasets.Dataset:
         """The rows gathered and written by `num_proc` forked processes, a contiguous share each (see
         `gather_processes.py`)."""
+        self.raise_bad_values()  # before forking: the checks' thread is not copied into the processes
         doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order])])
         ranges = row_ranges(np.diff(doc_start[plan.bin_offsets]), num_proc)
         paths = shard_paths(target.path, len(ranges))
@@ -346,7 +376,8 @@ class _Documents:
     def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter, progress) -> None:
         """Gather the packed rows (see `gather.py`), advancing `progress`, and hand them to `writer`."""
         write_rows(dict(self._columns()), self.pieces, order, bin_offsets, writer, progress,
-                   chunk_tokens=_GATHER_CHUNK, group_tokens=_GROUP_TOKENS, pages=self.pages)
+                   chunk_tokens=_GATHER_CHUNK, group_tokens=_GROUP_TOKENS, pages=self.pages,
+                   between_groups=lambda: self.raise_bad_values(wait=False))
 
     def _columns(self):
         """The columns read when gathering, by name."""

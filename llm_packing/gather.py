@@ -17,7 +17,8 @@ import pyarrow as pa
 from .layout import ignore_document_starts, ignore_masked, position_ids, segment_aranges
 
 
-def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages) -> None:
+def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages,
+               between_groups=None) -> None:
     """
     Gather the packed rows and hand them to `writer` (a [`~llm_packing.packed_cache.PackedWriter`]) a chunk at a
     time.
@@ -31,6 +32,8 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
         chunk_tokens (`int`): Tokens per written chunk.
         group_tokens (`int`): Tokens per group read in input order.
         pages ([`~llm_packing.resident_pages.ResidentPages`]): Checked after each slice read.
+        between_groups (`Callable[[], None]`, *optional*): Called before each group is read; raises to stop (e.g. a
+            failed check of the input's values).
     """
     lengths = pieces.length[order]
     doc_start = np.concatenate([[0], np.cumsum(lengths)])
@@ -46,6 +49,8 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
     for number, (first_chunk, last_chunk) in enumerate(zip(group_chunks[:-1], group_chunks[1:])):
         for written in writing[number % 2]:
             written.result()
+        if between_groups is not None:
+            between_groups()
         rows = chunk_rows[first_chunk : last_chunk + 1]
         docs = slice(bin_offsets[rows[0]], bin_offsets[rows[-1]])
         group = reading.read(order[docs], doc_start[docs] - doc_start[docs.start], lengths[docs], number % 2,

@@ -61,7 +61,7 @@ def _rebind(order, bin_offsets, bins, lengths, documents):
     new_offsets = np.concatenate([[0], np.cumsum(counts[bins])])
     # Slot j of the new order is slot `moved[j]` of the old one (same length).
     moved = np.repeat(bin_offsets[:-1][bins] - new_offsets[:-1], counts[bins]) + np.arange(len(order))
-    slots = np.argsort(lengths[order[moved]], kind="stable")  # by length, then row order
+    slots = _stable_argsort(lengths[order[moved]])  # by length, then row order
     new_order = np.empty_like(order)
     new_order[slots] = documents
     return new_order, new_offsets
@@ -69,10 +69,19 @@ def _rebind(order, bin_offsets, bins, lengths, documents):
 
 def _by_length_then_address(lengths: np.ndarray, addresses: np.ndarray) -> np.ndarray:
     """Document indices sorted by length, then address."""
+    if np.all(addresses[1:] >= addresses[:-1]):  # in input order already (no indices mapping): by length only
+        return _stable_argsort(lengths)
     span = int(addresses.max()) + 1
     if int(lengths.max()) < np.iinfo(np.int64).max // span:  # one int64 key: 10x faster than `np.lexsort`
         return np.argsort(lengths.astype(np.int64) * span + addresses, kind="stable")
     return np.lexsort((addresses, lengths))
+
+
+def _stable_argsort(lengths: np.ndarray) -> np.ndarray:
+    """`np.argsort(lengths, kind="stable")`, as a radix sort (5x faster) where the lengths fit 16 bits."""
+    if len(lengths) and int(lengths.max()) < 1 << 16:
+        lengths = lengths.astype(np.uint16)
+    return np.argsort(lengths, kind="stable")
 
 
 def _spread_shapes(slot_lengths: np.ndarray, bin_offsets: np.ndarray) -> np.ndarray:

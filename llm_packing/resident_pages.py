@@ -13,6 +13,7 @@ import bisect
 import ctypes
 import ctypes.util
 import os
+import threading
 
 import pyarrow as pa
 
@@ -45,6 +46,7 @@ class ResidentPages:
         self.limit = RESIDENT_LIMIT if limit is None else limit
         self.mappings = _read_only_file_mappings(_buffer_addresses(table)) if _LIBC else []
         self._level = _rss_file() if self.mappings else 0
+        self._lock = threading.Lock()
 
     @property
     def bounds(self) -> bool:
@@ -56,11 +58,15 @@ class ResidentPages:
         self._level = _rss_file() if self.mappings else 0
 
     def check(self) -> None:
-        """Give the mappings' pages back if the process's file-backed resident memory rose past the limit."""
-        if self.mappings and _rss_file() - self._level > self.limit:
-            for start, end in self.mappings:
-                _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-            self._level = _rss_file()  # what is left is not ours to give back: count from here
+        """Give the mappings' pages back if the process's file-backed resident memory rose past the limit (from any
+        thread: the input's values are checked on one while the rows are gathered on another)."""
+        if not self.mappings:
+            return
+        with self._lock:
+            if _rss_file() - self._level > self.limit:
+                for start, end in self.mappings:
+                    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+                self._level = _rss_file()  # what is left is not ours to give back: count from here
 
 
 def _buffer_addresses(table: pa.Table) -> list[int]:

@@ -7,6 +7,9 @@ base address instead: a token is an index into one numpy view over the address r
 gathers across chunks and only the pages of the fetched tokens are read. Checks run over bounded windows of rows.
 """
 
+import concurrent.futures
+import functools
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,6 +31,7 @@ class TokenColumn:
         name (`str`): The column.
         lengths (`np.ndarray`, *optional*): The `input_ids` row lengths this column must match.
         pages ([`~llm_packing.resident_pages.ResidentPages`], *optional*): Checked after each window the checks read.
+        checks ([`ValueChecks`], *optional*): Where the values are checked; by default at once, here.
 
     Example:
     ```python
@@ -42,7 +46,7 @@ class TokenColumn:
     ```
     """
 
-    def __init__(self, table: pa.Table, name: str, lengths: np.ndarray | None = None, pages=None):
+    def __init__(self, table: pa.Table, name: str, lengths: np.ndarray | None = None, pages=None, checks=None):
         column = table.column(name)
         self.name = name
         if len(column) == 0 and pa.types.is_null(column.type):  # `Dataset.from_dict({"input_ids": []})` has no type
@@ -50,7 +54,10 @@ class TokenColumn:
         self.lengths = _checked_lengths(column, name, lengths)
         if pa.types.is_null(column.type.value_type):
             column = column.cast(pa.list_(pa.int32()))  # only empty lists: nothing to read, one type to read it as
-        _check_values(column, name, self.lengths, pages)
+        if checks is None:
+            _check_values(column, name, self.lengths, pages)
+        else:
+            checks.add(functools.partial(_check_values, column, name, self.lengths, pages))
         self._chunks = column.chunks  # keeps the buffers that `_span` points into alive
         self.bits = pa.types.is_boolean(column.type.value_type)  # Arrow packs booleans 8 to a byte
         dtype = np.dtype(np.uint8 if self.bits else column.type.value_type.to_pandas_dtype())
@@ -81,6 +88,31 @@ class TokenColumn:
         span = self._span
         for start, length, out_start in zip(starts.tolist(), lengths.tolist(), out_starts.tolist(), strict=True):
             out[out_start : out_start + length] = span[start : start + length]
+
+
+class ValueChecks:
+    """
+    The value checks of token columns (every token read once: 0.3 s for 1.6 GB memory-mapped, mostly mapping its
+    pages), run in the order they are added on a thread of their own, so that they overlap the planning and the
+    gather instead of preceding them. [`ValueChecks.raise_failed`] raises the first failure, as checking the columns
+    in turn would have; call it before anything packed is handed out, and at will to stop early.
+    """
+
+    def __init__(self):
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llm_packing-checks")
+        self._pending = []
+
+    def add(self, check) -> None:
+        self._pending.append(self._executor.submit(check))
+
+    def raise_failed(self, wait: bool = True) -> None:
+        """Raise the first failed check's error; with `wait=False`, only among the checks done so far."""
+        for future in self._pending:
+            if not (wait or future.done()):
+                return
+            future.result()
+        if wait:
+            self._executor.shutdown()
 
 
 def row_windows(lengths: np.ndarray, window: int | None = None):

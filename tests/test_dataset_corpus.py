@@ -1,5 +1,6 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
+import threading
 from types import SimpleNamespace
 
 import datasets
@@ -75,6 +76,35 @@ class TestMemoryMappedInput:
         with pytest.raises(PackingValueError, match=r"'labels' in row 19 holds -7"):
             pack_dataset(mapped(tmp_path, columns, rows_per_batch=3), 4)
 
+    def test_values_checked_while_packing_stop_it_and_leave_no_file(self, tmp_path, monkeypatch):
+        # The values are checked on a thread while the rows are gathered: the gather asks between groups (one per
+        # chunk here) and stops once a check failed; nothing is written, and the error is the one a check in turn
+        # raised.
+        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", 4)
+        monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", 4)
+        asked = []
+        real = dataset_module.write_rows
+        monkeypatch.setattr(dataset_module, "write_rows", lambda *args, between_groups, **kwargs: real(
+            *args, between_groups=lambda: (asked.append(1), between_groups())[-1], **kwargs))
+        ds = mapped(tmp_path, {"input_ids": [[1, 2]] * 39 + [[2**31, 2]]}, rows_per_batch=3, name="bad.arrow")
+        with pytest.raises(PackingValueError, match=r"Column 'input_ids' holds 2147483648"):
+            pack_dataset(ds, 4, cache_file_name=str(tmp_path / "packed.arrow"))
+        assert [path.name for path in tmp_path.iterdir()] == ["bad.arrow"]
+        assert asked
+
+    def test_value_checks_raise_the_first_failure_and_only_what_is_done_unless_waiting(self):
+        checks, release = token_columns.ValueChecks(), threading.Event()
+        checks.add(lambda: None)
+        checks.add(lambda: (release.wait(), _raise(PackingValueError("second")))[0])
+        checks.add(lambda: _raise(PackingValueError("third")))
+        checks.raise_failed(wait=False)  # the second is still running: nothing to raise yet
+        release.set()
+        with pytest.raises(PackingValueError, match="second"):
+            checks.raise_failed()
+
+
+def _raise(error):
+    raise error
 
 class TestLeanColumns:
     @pytest.mark.parametrize(
