@@ -19,10 +19,10 @@ import tempfile
 import threading
 
 import datasets
-import numpy as np
 import pyarrow as pa
 from datasets.fingerprint import Hasher
 
+from .direct_writes import BLOCK, DirectFile, aligned
 from .stats import PackingStats
 
 
@@ -170,8 +170,10 @@ class PackedWriter:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
             self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
-            self._offset = _write_at(self._fd, self._schema_message, 0)
+            self._write_range(self._schema_message, 0)
+            self._offset = self._schema_message.size
             self._buffers = threading.local()  # each writing thread's serialization buffer
             self._dropped = 0  # the file's bytes before this may have left the page cache
             self._dropping = threading.Lock()
@@ -198,8 +200,8 @@ class PackedWriter:
         return self._written[-1]
 
     def _write_batches(self, batches: list[pa.RecordBatch], offsets: list[int]) -> None:
-        _write_at(self._fd, self._serialized(batches, offsets[-1] - offsets[0]), offsets[0])
-        if not hasattr(os, "posix_fadvise"):  # macOS, Windows: the page cache keeps everything
+        self._write_range(self._serialized(batches, offsets[-1] - offsets[0], offsets[0]), offsets[0])
+        if self._direct is not None or not hasattr(os, "posix_fadvise"):  # past the page cache, or no say in it
             return
         # DONTNEED starts writing dirty pages back and drops the clean ones: this chunk is sent to disk, and the
         # pages far enough behind it (on disk by now, unless the disk is slower than the gather) are dropped.
@@ -210,18 +212,26 @@ class PackedWriter:
         if end > start:
             os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
-    def _serialized(self, batches: list[pa.RecordBatch], size: int) -> memoryview:
-        """The IPC messages of `batches` (`size` bytes), in this thread's buffer, reused from chunk to chunk: a new
-        buffer per batch (`RecordBatch.serialize`) is fresh memory that costs page faults every time."""
-        buffer = getattr(self._buffers, "array", None)
+    def _write_range(self, data, offset: int) -> None:
+        if self._direct is not None:
+            self._direct.write(data, offset)
+        else:
+            _write_at(self._fd, data, offset)
+
+    def _serialized(self, batches: list[pa.RecordBatch], size: int, offset: int) -> memoryview:
+        """The IPC messages of `batches` (`size` bytes, for `offset` in the file), in this thread's buffer, reused
+        from chunk to chunk (a new buffer per batch, as `RecordBatch.serialize` makes, is fresh memory that costs
+        page faults every time), placed as `DirectFile` writes them straight from it."""
         header = len(self._schema_message)
-        if buffer is None or len(buffer) < header + size:
-            buffer = self._buffers.array = np.empty(header + size, np.uint8)
-        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buffer))
+        start = (offset - header) % BLOCK  # the messages then lie at `offset`'s place within a block
+        buffer = getattr(self._buffers, "array", None)
+        if buffer is None or len(buffer) < start + header + size:
+            buffer = self._buffers.array = aligned(BLOCK + header + size)
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(buffer[start:]))
         stream = pa.ipc.new_stream(sink, self.schema)  # writes the schema message first: skipped below
         for batch in batches:
             stream.write_batch(batch)
-        return memoryview(buffer)[header : header + size]
+        return memoryview(buffer)[start + header : start + header + size]
 
     def finish(self, split) -> datasets.Dataset:
         if self._fd is None:
@@ -237,7 +247,10 @@ class PackedWriter:
         try:
             for written in self._written:
                 written.result()  # raises the error of a failed write
-            _write_at(self._fd, _END_OF_STREAM, self._offset)
+            self._write_range(_END_OF_STREAM, self._offset)
+            if self._direct is not None:
+                direct, self._direct = self._direct, None
+                direct.close(self._offset + len(_END_OF_STREAM))
         except BaseException:
             self.abort()
             raise
@@ -247,6 +260,8 @@ class PackedWriter:
     def abort(self) -> None:
         if self._fd is not None:
             self._threads.shutdown(cancel_futures=True)
+            if self._direct is not None:
+                self._direct.abort()
             os.close(self._fd)
             os.remove(self._temporary)
             self._fd = None

@@ -103,6 +103,21 @@ class TestMemoryMappedInput:
             checks.raise_failed()
 
 
+def _has_direct_io(directory) -> bool:
+    """Whether the filesystem of `directory` takes O_DIRECT writes (Linux's ext4 and xfs do)."""
+    import os
+
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        (directory / "probe").unlink(missing_ok=True)
+
+
 def _raise(error):
     raise error
 
@@ -214,7 +229,8 @@ class TestCache:
         assert not first.cache_files[0]["filename"].startswith(str(tmp_path))
         assert first.to_dict() == second.to_dict()
 
-    def test_concurrent_writes_make_the_stream_new_stream_writes(self, tmp_path):
+    @pytest.mark.parametrize("direct", [True, False])
+    def test_concurrent_writes_make_the_stream_new_stream_writes(self, tmp_path, monkeypatch, direct):
         # Chunks of 1,500 rows (two record batches each) and of 1 row, written by several threads at offsets fixed
         # in order: the file must be byte for byte what one `pa.ipc.new_stream` writer makes of the same chunks.
         schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("seq_lengths", pa.list_(pa.int32()))])
@@ -224,8 +240,11 @@ class TestCache:
             lengths = rng.integers(1, 9, rows)
             chunks.append(pa.table({"input_ids": [rng.integers(0, 99, n).tolist() for n in lengths],
                                     "seq_lengths": [[int(n)] for n in lengths]}, schema=schema))
+        if not direct:
+            monkeypatch.setattr(packed_cache.DirectFile, "open", lambda path: None)
         target = packed_cache.Destination(str(tmp_path / "packed.arrow"), "fingerprint", False)
         writer = packed_cache.PackedWriter(target, schema, _STATS)
+        assert (writer._direct is not None) == (direct and _has_direct_io(tmp_path))
         for chunk in chunks:
             writer.write(chunk)
         packed = writer.finish(None)
@@ -240,6 +259,7 @@ class TestCache:
     def test_written_pages_are_sent_to_disk_and_dropped_behind_a_window(self, tmp_path, monkeypatch):
         # Every chunk's bytes are handed to the kernel's writeback once written (a DONTNEED on dirty pages starts
         # it), and the bytes more than the window behind the newest chunk are dropped once, never those within it.
+        monkeypatch.setattr(packed_cache.DirectFile, "open", lambda path: None)  # no O_DIRECT: the page cache
         monkeypatch.setattr(packed_cache, "_DROP_BEHIND_BYTES", 4096)
         advised = []
         real = packed_cache.os.posix_fadvise
