@@ -148,14 +148,15 @@ class PackedWriter:
     (`pa.ipc.get_record_batch_size`), while the next rows are gathered. `write` returns a future, done once the
     chunk's arrays may be reused.
 
-    Writes drop behind them, as a streaming writer should: each written chunk is sent to disk at once, and the pages
-    of the file more than `_DROP_BEHIND_BYTES` behind the newest chunk leave the page cache once on disk (the kernel
-    keeps any not written yet), so the next chunks reuse them. The page cache holds a window of the output, not all
-    of it: a corpus-sized output does not evict the input it is gathered from, and the process does not touch a
-    page of memory per page of output. Fresh page-cache memory is what writing costs on virtual machines that return
-    freed memory to the host (about 2.4 s of system time per GiB on this project's): 1.6 GB written 4 MiB at a
-    time took 0.6 s with drop-behind against 4.0 s without (`benchmarks/first_touch.py`). The packed rows are then
-    read from disk the first time training reads them.
+    The output does not go through the page cache, as a streaming writer's should not: a corpus-sized output would
+    evict the input it is gathered from, and filling, writing back and freeing a page-cache page per page of output
+    is most of what writing costs (on this project's virtual machines, which return freed memory to the host, a new
+    page-cache page costs 2.4 s of system time per GiB: 1.6 GB written 4 MiB at a time took 4.0 s). Where the
+    filesystem takes `O_DIRECT` ([`~llm_packing.direct_writes.DirectFile`]), each chunk goes from the thread's
+    serialisation buffer to the disk (0.6 s for the same 1.6 GB); elsewhere writes drop behind them: each written
+    chunk is sent to disk at once, and the pages more than `_DROP_BEHIND_BYTES` behind the newest chunk leave the
+    page cache once on disk (the kernel keeps any not written yet), so that the next chunks reuse them. Either way
+    the packed rows are read from disk the first time training reads them.
     """
 
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
