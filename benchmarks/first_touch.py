@@ -9,7 +9,10 @@ its own fresh process (wall and system time of the timed part):
 - anon fill: fill 256 MiB of new anonymous memory (numpy), then fill it again;
 - file write: `pwrite` 1,600 MiB to a new file, 4 MiB at a time, from one warm buffer (what a cache writer does);
 - file write after churn: the same, each write after a 4 MiB anonymous allocation is touched and freed (what a process
-  that allocates as it goes, such as TRL's `pack_dataset`, does between writes).
+  that allocates as it goes, such as TRL's `pack_dataset`, does between writes);
+- file write, drop-behind: the same writes, each chunk handed to writeback at once and dropped from the page cache
+  64 MiB later, so that later writes reuse its pages (`PackedWriter` without `O_DIRECT`);
+- file write, O_DIRECT: the same writes past the page cache (`PackedWriter` where the filesystem takes it).
 """
 
 import argparse
@@ -25,11 +28,18 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from llm_packing.direct_writes import aligned  # noqa: E402
+
 
 CHUNK = 4 << 20
+DROP_BEHIND = 64 << 20
 PROBES = {"anon fill": "fill 256 MiB of new anonymous memory", "anon refill": "fill the same 256 MiB again",
           "file write": "pwrite 1,600 MiB to a new file, 4 MiB a time",
-          "file write after churn": "the same, each write after 4 MiB of anonymous memory touched and freed"}
+          "file write after churn": "the same, each write after 4 MiB of anonymous memory touched and freed",
+          "file write, drop-behind": ("the same writes, each then handed to writeback and the file's pages over 64 "
+                                      "MiB behind dropped (`posix_fadvise(DONTNEED)`), as `PackedWriter` falls back to"),
+          "file write, O_DIRECT": "the same writes past the page cache (`O_DIRECT`, aligned), as `PackedWriter` does"}
 
 
 def timed(function) -> dict:
@@ -45,8 +55,12 @@ def probe(name: str, directory: str, settle: float) -> dict:
         memory = np.empty(256 << 20, np.uint8)
         first = timed(lambda: memory.fill(1))
         return first if name == "anon fill" else timed(lambda: memory.fill(2))
-    buffer = np.ones(CHUNK, np.uint8)
+    buffer = aligned(CHUNK)
+    buffer[:] = 1
     handle, path = tempfile.mkstemp(dir=directory)
+    if name.endswith("O_DIRECT"):
+        os.close(handle)
+        handle = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
         def write():
             offset = 0
@@ -55,6 +69,10 @@ def probe(name: str, directory: str, settle: float) -> dict:
                     scratch = np.ones(CHUNK, np.uint8)
                     del scratch
                 offset += os.pwrite(handle, buffer, offset)
+                if name.endswith("drop-behind"):
+                    os.posix_fadvise(handle, offset - CHUNK, CHUNK, os.POSIX_FADV_DONTNEED)
+                    if offset > DROP_BEHIND:
+                        os.posix_fadvise(handle, offset - CHUNK - DROP_BEHIND, CHUNK, os.POSIX_FADV_DONTNEED)
         return timed(write)
     finally:
         os.close(handle)

@@ -61,8 +61,8 @@ def pack_dataset(
 
     Every split is packed at once (one `pack_sequences` call over all its documents, not per `map` batch). Columns
     other than `input_ids`, `labels`, `completion_mask` and `assistant_masks` are dropped: a packed row has no single
-    value for a per-example column. Rows come out in input order, roughly (see `locality.py`; with a `seed`, in a random order); the Trainer's
-    sampler shuffles them.
+    value for a per-example column. Rows come out roughly in input order (see `locality.py`; with a `seed`, in a
+    random order); the Trainer's sampler shuffles them.
     Like `Dataset.map`, the rows are written to an Arrow file beside the input's cache files and memory-mapped, and
     a second call with the same input and options loads that file instead of packing again; an in-memory input keeps
     its packed rows in memory.
