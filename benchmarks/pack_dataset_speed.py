@@ -16,15 +16,15 @@ Every run is a fresh process (`--child`) that loads the dataset, then times the 
 both (`datasets.disable_caching()`: outputs go to a temporary directory and nothing is reloaded), so each run packs.
 Runs alternate ours, TRL, ours, TRL... and the speed-up is the ratio of medians (and of each pair). CPU is the
 process's user and system time during the call, all threads: on virtual machines that return freed memory to the
-host, system time is mostly page faults on memory the process touches first (the output's page cache above all).
+host, system time is mostly page faults on memory the process touches first (`benchmarks/first_touch.py`).
 Memory: the rise of
 the peak resident set (VmHWM) over the resident set just before the call; it counts pages of the memory-mapped input
 and output that the process touched, which the kernel can drop at will, so the peak rise of anonymous memory
 (RssAnon, sampled every 20 ms) is given too. Each output is checked after the timing: every token of the input there
 once (count, `seq_lengths` and int64 sum of the ids agree), no row over `max_length`, rows over the lower bound.
 That check reads every packed row once, and its time is reported as the first read of the output: what reading the
-packed rows costs the first epoch, from the page cache (TRL's output) or mostly from disk (ours drops behind it,
-see `PackedWriter`).
+packed rows costs the first epoch, from the page cache (TRL's output) or from disk (ours is written past the page
+cache, see `PackedWriter`).
 """
 
 import argparse

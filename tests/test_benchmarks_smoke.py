@@ -45,3 +45,12 @@ def test_pack_dataset_speed_tiny(tmp_path):
     rows = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| ") and
             "packer" not in line]
     assert len(rows) == 2 and all("| yes |" in row and "input_ids, seq_lengths (file)" in row for row in rows)
+
+
+def test_pack_locality_tiny():
+    script = os.path.join(os.path.dirname(BENCHMARK), "pack_locality.py")
+    result = subprocess.run([sys.executable, script, "--rows", "300000", "--max-length", "1024"], check=True,
+                            capture_output=True, text=True)
+    engine, local = (line for line in result.stdout.splitlines() if line.startswith("| ") and "GiB (" in line)
+    ratio = lambda row: float(row.split("GiB (")[1].split("x")[0])  # noqa: E731
+    assert ratio(local) < ratio(engine)
