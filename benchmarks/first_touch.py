@@ -28,8 +28,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from llm_packing.direct_writes import aligned  # noqa: E402
+from llm_packing.direct_writes import aligned
 
 
 CHUNK = 4 << 20
@@ -38,7 +37,8 @@ PROBES = {"anon fill": "fill 256 MiB of new anonymous memory", "anon refill": "f
           "file write": "pwrite 1,600 MiB to a new file, 4 MiB a time",
           "file write after churn": "the same, each write after 4 MiB of anonymous memory touched and freed",
           "file write, drop-behind": ("the same writes, each then handed to writeback and the file's pages over 64 "
-                                      "MiB behind dropped (`posix_fadvise(DONTNEED)`), as `PackedWriter` falls back to"),
+                                      "MiB behind dropped (`posix_fadvise(DONTNEED)`), as `PackedWriter` falls back "
+                                      "to"),
           "file write, O_DIRECT": "the same writes past the page cache (`O_DIRECT`, aligned), as `PackedWriter` does"}
 
 

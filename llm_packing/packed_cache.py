@@ -122,10 +122,10 @@ def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
     """
     `MemoryMappedTable.from_file(path)` without reading the rows: only the record batches' headers are read.
 
-    `from_file` maps with `pa.memory_map`, which asks the kernel to read ahead every record batch it opens
-    (`MADV_WILLNEED`), and each header read faults in the readahead window around it (8 MiB on this project's
-    machines): opening a packed file read all of it from disk into the page cache, out of which `PackedWriter` had
-    just dropped it. Here the headers are read from a mapping without readahead (`MADV_RANDOM`), set back to normal
+    A header read from a mapping faults in the readahead window around it (8 MiB on this project's machines, more
+    than a record batch of packed rows), and `pa.memory_map`, which `from_file` uses, asks for more: opening a 1.5
+    GiB packed file with `from_file` brought all of it back from disk into the page cache, which `PackedWriter` had
+    kept it out of. Here the headers are read from a mapping without readahead (`MADV_RANDOM`), set back to normal
     readahead for the rows read later. A pickled copy (a `DataLoader` worker's) opens it with `from_file`.
     """
     if not hasattr(mmap, "MADV_RANDOM"):  # Windows
@@ -150,13 +150,13 @@ class PackedWriter:
 
     The output does not go through the page cache, as a streaming writer's should not: a corpus-sized output would
     evict the input it is gathered from, and filling, writing back and freeing a page-cache page per page of output
-    is most of what writing costs (on this project's virtual machines, which return freed memory to the host, a new
-    page-cache page costs 2.4 s of system time per GiB: 1.6 GB written 4 MiB at a time took 4.0 s). Where the
-    filesystem takes `O_DIRECT` ([`~llm_packing.direct_writes.DirectFile`]), each chunk goes from the thread's
-    serialisation buffer to the disk (0.6 s for the same 1.6 GB); elsewhere writes drop behind them: each written
-    chunk is sent to disk at once, and the pages more than `_DROP_BEHIND_BYTES` behind the newest chunk leave the
-    page cache once on disk (the kernel keeps any not written yet), so that the next chunks reuse them. Either way
-    the packed rows are read from disk the first time training reads them.
+    is most of what writing costs (on this project's virtual machines, which return freed memory to the host, 1,600
+    MiB written 4 MiB at a time through the page cache took 3.9 s, nearly all system time: `first_touch.py`).
+    Where the filesystem takes `O_DIRECT` ([`~llm_packing.direct_writes.DirectFile`]), each chunk goes from the
+    thread's serialisation buffer to the disk (0.35 s for the same writes); elsewhere writes drop behind them (0.44 s):
+    each written chunk is sent to disk at once, and the pages more than `_DROP_BEHIND_BYTES` behind the newest chunk
+    leave the page cache once on disk (the kernel keeps any not written yet), so that the next chunks reuse them.
+    Either way the packed rows are read from disk the first time training reads them.
     """
 
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):

@@ -12,8 +12,8 @@ from llm_packing.direct_writes import BLOCK, DirectFile, aligned
 @pytest.fixture
 def direct(tmp_path):
     file = DirectFile.open(str(tmp_path / "out.bin"))
-    if file is None:
-        pytest.fail(f"no O_DIRECT on the filesystem of {tmp_path}: the writer would fall back to the page cache")
+    if file is None:  # tmpfs before Linux 6.6, some FUSE filesystems, macOS: PackedWriter drops behind instead
+        pytest.skip(f"the filesystem of {tmp_path} takes no O_DIRECT writes")
     return file
 
 
@@ -25,7 +25,7 @@ def test_ranges_in_any_order_from_threads_make_the_file(tmp_path, direct, seed):
     data = rng.integers(0, 256, 200_000, dtype=np.uint8)
     cuts = np.unique(np.concatenate([[0, len(data)], rng.integers(0, len(data), 60), np.arange(0, len(data), BLOCK)[
         rng.random(len(range(0, len(data), BLOCK))) < 0.1]]))
-    ranges = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+    ranges = list(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True))
     rng.shuffle(ranges)
 
     def write(bounds):

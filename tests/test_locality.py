@@ -15,7 +15,7 @@ def lognormal_lengths(count, seed=0, max_length=4096):
 
 
 def bin_shapes(order, bin_offsets, lengths):
-    return sorted(tuple(sorted(lengths[order[a:b]])) for a, b in zip(bin_offsets[:-1], bin_offsets[1:]))
+    return sorted(tuple(sorted(lengths[order[a:b]])) for a, b in zip(bin_offsets[:-1], bin_offsets[1:], strict=True))
 
 
 def run_spread(order, bin_offsets, addresses, runs=10):
@@ -56,7 +56,7 @@ def test_deterministic_and_small_plans_keep_their_rows():
     plan = pack_sequences(lengths, 1024)
     addresses = np.arange(len(lengths))
     first, second = (local_order(plan.order, plan.bin_offsets, lengths, addresses) for _ in range(2))
-    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
     single = pack_sequences([3, 2], 8)
     assert local_order(single.order, single.bin_offsets, np.array([3, 2]), np.arange(2)) == (
         single.order, single.bin_offsets)
