@@ -3,7 +3,8 @@
     python benchmarks/pack_locality.py                      # 1M lognormal lengths (median 250), max_length 4096
     python benchmarks/pack_locality.py --rows 10000000
 
-`pack_dataset` reads the packed rows a group of 32M tokens at a time from a memory-mapped input. A page fault maps
+`pack_dataset` reads the packed rows a group at a time from a memory-mapped input (a 48th of the tokens, from 8M to
+32M: 8M here). A page fault maps
 the 64 KiB of page cache around the page it touches (the kernel's fault-around), and the pages mapped are given back
 when they add up, so every 64 KiB window of the input that a group touches is mapped (and later unmapped) once for
 that group. Printed per order: the windows mapped summed over the groups (the input itself is the floor), the
@@ -16,19 +17,24 @@ import time
 
 import numpy as np
 
+from llm_packing import dataset
 from llm_packing.binpack import pack_sequences
 from llm_packing.locality import local_order
 
 
-GROUP_TOKENS = 1 << 25  # as `pack_dataset`'s `_GROUP_TOKENS`
 WINDOW = 64 << 10  # bytes mapped around a faulting page
 TOKEN_BYTES = 4
+
+
+def group_tokens(total_tokens: int) -> int:
+    """Tokens per group, as `pack_dataset` sizes them."""
+    return min(max(total_tokens // dataset._GROUPS, dataset._MIN_GROUP_TOKENS), dataset._GROUP_TOKENS)
 
 
 def windows_mapped(order, lengths, starts) -> int:
     """Bytes of 64 KiB windows of the input touched by each group of rows, summed over the groups."""
     doc_start = np.concatenate([[0], np.cumsum(lengths[order])])[:-1]
-    group = doc_start // GROUP_TOKENS
+    group = doc_start // group_tokens(int(lengths.sum()))
     total = 0
     for number in np.unique(group):
         docs = order[group == number]
@@ -61,7 +67,7 @@ def main() -> None:
     took = time.perf_counter() - start
     input_bytes = int(lengths.sum()) * TOKEN_BYTES
     print(f"# pack_locality: {args.rows:,} documents, {input_bytes / 2**30:.2f} GiB of int32 ids, "
-          f"max_length {args.max_length}, groups of {GROUP_TOKENS:,} tokens\n")
+          f"max_length {args.max_length}, groups of {group_tokens(int(lengths.sum())):,} tokens\n")
     print("| row order | windows mapped, summed over groups | spread of a tenth of the rows | reorder time |")
     print("|---|---|---|---|")
     for name, (rows, offsets), seconds in (("engine (`pack_sequences`)", (plan.order, plan.bin_offsets), None),
