@@ -63,7 +63,7 @@ class DirectFile:
             interior = view[first_full - offset : last_full - offset]
             if _address(interior) % BLOCK:
                 interior = memoryview(aligned(len(interior), like=interior))
-            _write_all(self.fd, interior, first_full)
+            write_all(self.fd, interior, first_full)
         self._add_partial(view[: min(first_full, end) - offset], offset)
         if end > first_full:
             self._add_partial(view[max(first_full, last_full) - offset :], max(first_full, last_full))
@@ -79,13 +79,13 @@ class DirectFile:
             entry[1] += len(piece)
             complete = entry[1] == BLOCK and self._partial.pop(block)
         if complete:
-            _write_all(self.fd, complete[0], block * BLOCK)
+            write_all(self.fd, complete[0], block * BLOCK)
 
     def close(self, size: int) -> None:
         """Write the blocks still partial (the last, past `size`, padded with zeros), cut the file at `size`."""
         try:
             for block, (data, _) in sorted(self._partial.items()):
-                _write_all(self.fd, data, block * BLOCK)
+                write_all(self.fd, data, block * BLOCK)
             os.ftruncate(self.fd, size)
         finally:
             os.close(self.fd)
@@ -109,7 +109,8 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
 
 
-def _write_all(fd: int, data, offset: int) -> None:
+def write_all(fd: int, data, offset: int) -> None:
+    """Write all of `data` (a buffer) at `offset` of `fd`, however many `pwrite` calls it takes."""
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)

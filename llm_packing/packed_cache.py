@@ -22,7 +22,7 @@ import datasets
 import pyarrow as pa
 from datasets.fingerprint import Hasher
 
-from .direct_writes import BLOCK, DirectFile, aligned
+from .direct_writes import BLOCK, DirectFile, aligned, write_all
 from .stats import PackingStats
 
 
@@ -174,7 +174,7 @@ class PackedWriter:
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)
-            self._offset = self._schema_message.size
+            self._offset = len(self._schema_message)
             self._buffers = threading.local()  # each writing thread's serialization buffer
             self._dropped = 0  # the file's bytes before this may have left the page cache
             self._dropping = threading.Lock()
@@ -217,7 +217,7 @@ class PackedWriter:
         if self._direct is not None:
             self._direct.write(data, offset)
         else:
-            _write_at(self._fd, data, offset)
+            write_all(self._fd, data, offset)
 
     def _serialized(self, batches: list[pa.RecordBatch], size: int, offset: int) -> memoryview:
         """The IPC messages of `batches` (`size` bytes, for `offset` in the file), in this thread's buffer, reused
@@ -266,15 +266,6 @@ class PackedWriter:
             os.close(self._fd)
             os.remove(self._temporary)
             self._fd = None
-
-
-def _write_at(fd: int, data, offset: int) -> int:
-    """Write all of `data` (a buffer) at `offset` of `fd`; returns the offset just past it."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-    return offset
 
 
 def _dataset(table, split, fingerprint: str) -> datasets.Dataset:
