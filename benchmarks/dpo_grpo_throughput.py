@@ -5,7 +5,8 @@
     python benchmarks/dpo_grpo_throughput.py --device cuda --dtype bf16 --model 0.5b --pairs 16   # GPU (untested here)
 
 Both paths run TRL's own fused LM head (`trl.trainer.utils.add_fused_lm_head`, what `DPOTrainer` and `GRPOTrainer`
-install): "padded" calls it on TRL's padded batch, "packed" through `llm_packing.padded_forward.pack_fused_lm_head`
+install): "padded" calls it on TRL's padded batch, "packed" through
+`llm_packing.batches.padded_forward.pack_fused_lm_head`
 with `configure_packing` (the real tokens of each batch in one row, as `PackedDPOTrainer` and `PackedGRPOTrainer` do).
 - DPO step: `--pairs` preference pairs of `load_chitchat_preference_pairs` (demo tokenizer, chat template), collated
   by TRL's `DataCollatorForPreference` (chosen rows then rejected rows, right padding): policy forward + backward and
@@ -83,7 +84,7 @@ def batches(args):
     import torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from llm_packing.demo_data import load_chitchat_preference_pairs, load_demo_tokenizer
+    from llm_packing.demo.chitchat import load_chitchat_preference_pairs, load_demo_tokenizer
 
     tokenizer = load_demo_tokenizer()
     examples = []
@@ -142,8 +143,8 @@ STEPS = {"dpo": dpo_step, "grpo": grpo_step}
 
 
 def set_packed(policy, reference, packed: bool, max_length: dict):
-    from llm_packing.padded_forward import pack_fused_lm_head
-    from llm_packing.patch import configure_packing, unconfigure_packing
+    from llm_packing.batches.padded_forward import pack_fused_lm_head
+    from llm_packing.hook.configure import configure_packing, unconfigure_packing
 
     if not packed:
         unconfigure_packing()
@@ -232,7 +233,8 @@ def report(args, results, memory) -> str:
         f"# DPO / GRPO log-prob steps: TRL's padded forward vs the packed forward ({args.device}, {args.dtype})", "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
         f"{os.cpu_count()} CPUs; model `{args.model}` (Llama, vocab 32,000, sdpa); {args.pairs} pairs per DPO step, "
-        f"{args.pairs} prompts x {GENERATIONS} completions per GRPO step; {args.steps} steps x {args.repeats} repeats.",
+        f"{args.pairs} prompts x {GENERATIONS} completions per GRPO step; "
+        f"{args.steps} steps x {args.repeats} repeats.",
         "Command: `python benchmarks/dpo_grpo_throughput.py " + " ".join(sys.argv[1:]) + "`", "",
         "| step | path | real tokens | padded batch tokens | real tokens/s (median repeat) | paired speed-up "
         "(median, min-max) | peak memory growth |",

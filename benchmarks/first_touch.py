@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from llm_packing.direct_writes import aligned
+from llm_packing.data._io.direct_writes import aligned
 
 
 CHUNK = 4 << 20

@@ -202,7 +202,7 @@ def main() -> None:
                      f"{max(r['worker_rss'] for r in runs['ours']) / 2**30:.2f} GiB RSS (pages shared with the "
                      "caller counted again)")
     if len(runs) == 2:
-        pairs = [t["wall"] / o["wall"] for o, t in zip(runs["ours"], runs["trl"])]
+        pairs = [t["wall"] / o["wall"] for o, t in zip(runs["ours"], runs["trl"], strict=True)]
         lines.append(f"\n- speed-up per pair: {', '.join(f'{p:.1f}x' for p in pairs)}")
     lines.append(f"- load average at end: {_load()}")
     report = "\n".join(lines) + "\n"

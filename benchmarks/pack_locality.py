@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from llm_packing import dataset
-from llm_packing.binpack import pack_sequences
-from llm_packing.locality import local_order
+from llm_packing.core.binpack import pack_sequences
+from llm_packing.core.locality import local_order
+from llm_packing.data import pack as dataset
 
 
 WINDOW = 64 << 10  # bytes mapped around a faulting page

@@ -14,6 +14,7 @@ A peer is skipped where extrapolation from the previous size (linear) exceeds th
 import argparse
 import bisect
 import datetime
+import functools
 import heapq
 import os
 import platform
@@ -24,7 +25,7 @@ import numpy as np
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from llm_packing.binpack import pack_sequences  # noqa: E402
+from llm_packing.core.binpack import pack_sequences  # noqa: E402
 
 
 BATCH_ROWS = 1000  # datasets' default `map` batch size, which TRL and LLaMA-Factory pack within
@@ -196,12 +197,12 @@ def main() -> None:
             lengths = all_lengths[:n]
             lower_bound = -(-int(lengths.sum()) // capacity)
             key = lengths.astype(np.uint16)
-            floor = lambda: np.argsort(key, kind="stable")  # noqa: E731
+            floor = functools.partial(np.argsort, key, kind="stable")
             floor_times: list[tuple[float, float]] = []
             measure(floor, args.quick, floor, floor_times)
             rows = [(name, *_run_cell(name, fn, lengths, capacity, args.quick, budget, last, has_trl, floor,
                                       floor_times)) for name, fn in packers(capacity)]
-            floor_wall, floor_cpu = (min(t) for t in zip(*floor_times))
+            floor_wall, floor_cpu = (min(t) for t in zip(*floor_times, strict=True))
             print(f"| floor: stable argsort (uint16) | {n:,} | {_fmt(floor_wall)} | {_fmt(floor_cpu)} | 1.00 / 1.00 "
                   f"| LB {lower_bound:,} | | |")
             for name, note, wall, cpu, num_bins in rows:

@@ -107,7 +107,7 @@ def prepare_documents(args, directory: str) -> dict[str, dict]:
     """Both document sets, cut to max_length and folded into the vocabulary, saved for the child processes."""
     import datasets
 
-    from llm_packing.documents import load_demo_documents
+    from llm_packing.cli.documents import load_demo_documents
 
     vocab = MODELS[args.model][1]["vocab_size"]
     rng = np.random.default_rng(args.seed)
@@ -240,7 +240,7 @@ def time_mask_builders(model, sync) -> dict:
 def time_mixers(model, sync) -> dict:
     """Forward time inside the hybrid mixers ("mixer"), and the part of it that llm_packing spends re-batching
     documents (layout, gather, scatter: "rebatch" = mixer time outside the per-document mixer calls)."""
-    from llm_packing import mixers
+    from llm_packing.hook import mixers
 
     spent = {"mixer": 0.0, "inner": 0.0}
 
@@ -387,7 +387,8 @@ def targets(rows: dict, args, every: bool = True) -> list[str]:
         return f"{verdict} ({measured})"
 
     ours, trl = ("llm_packing rows", "sdpa"), ("TRL packing (bfd + padding-free)", "sdpa")
-    lines = [f"- llm_packing rows (sdpa) >= {floor}x {reference[0]}, {d}: {compare((d, *ours), (d, *reference), floor)}"
+    lines = [f"- llm_packing rows (sdpa) >= {floor}x {reference[0]}, {d}: "
+             f"{compare((d, *ours), (d, *reference), floor)}"
              for reference, floor in ((GROUP_BY_LENGTH, 1.15), (GLOBAL_SORT, 0.95)) for d in DATASETS]
     if not every:
         return lines
@@ -405,7 +406,7 @@ def targets(rows: dict, args, every: bool = True) -> list[str]:
 
 
 def mixers_table() -> dict:
-    from llm_packing.mixers import MIXERS
+    from llm_packing.hook.mixers import MIXERS
 
     return MIXERS
 
@@ -525,7 +526,8 @@ def main() -> None:
                 started = time.perf_counter()
                 process = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", model,
                                           "--child", f"{name}|{backend}", "--dataset", dataset, "--round",
-                                          str(round_), "--docs-dir", docs_dirs[MODELS[model][1]["vocab_size"]], "--out", out],
+                                          str(round_), "--docs-dir", docs_dirs[MODELS[model][1]["vocab_size"]],
+                                          "--out", out],
                                          stderr=subprocess.PIPE, text=True, check=False)
                 if process.returncode:
                     done.append({"error": f"exit code {process.returncode}: {process.stderr.strip()[-200:]}"})
@@ -541,12 +543,14 @@ def main() -> None:
         rows = {key[1:]: summarise(merge_rounds(done)) for key, done in results.items() if key[0] == model}
         hybrid = MODELS[model][0] in mixers_table()
         for dataset in DATASETS:
-            lines += [f"## {dataset}: {model} model\n", *table(rows, dataset, args.device), *(LEAK_NOTE if hybrid else []),
+            lines += [f"## {dataset}: {model} model\n", *table(rows, dataset, args.device),
+                      *(LEAK_NOTE if hybrid else []),
                       ""]
         if hybrid:
             lines += [f"## Mixer path, {model} model (share of the step's wall time: mixer forwards; llm_packing's "
                       "re-batching in them)\n",
-                      "| dataset | configuration | attention | mixer forwards | re-batching |", "|---|---|---|---|---|"]
+                      "| dataset | configuration | attention | mixer forwards | re-batching |",
+                      "|---|---|---|---|---|"]
             lines += [f"| {ds} | {name} | {backend} | {r['mixer']:.1%} | {r['rebatch']:.2%} |"
                       for (ds, name, backend), r in rows.items() if "mixer" in r] + [""]
         lines += [f"## Targets: {model} model\n", *targets(rows, args, every=model == args.model), ""]

@@ -5,7 +5,8 @@
 
 Each point is one fresh process: a 1-layer tiny Llama (hidden 64, 4/2 heads, vocab 128, fp32, one thread) runs
 forward + backward on one packed row of `length` tokens, documents of lognormal lengths (median 128 tokens, sigma 1:
-about 165 documents in a 32k row) filling the row (the 32k row of 256 equal documents is tests/test_varlen.py's). Reported: the rise of peak RSS (ru_maxrss) over the
+about 165 documents in a 32k row) filling the row (the 32k row of 256 equal documents is tests/test_varlen.py's).
+Reported: the rise of peak RSS (ru_maxrss) over the
 process's RSS before the step, and the wall time of the second step (the first warms up). The dense route needs
 about `length^2 x 5` bytes (bool mask + float scores), so it runs only up to `--dense-max` tokens.
 """
@@ -50,8 +51,8 @@ def one_point(length: int, route: str, seed: int) -> dict:
     attention_mask = torch.from_numpy(document + 1)[None]
     position_ids = torch.from_numpy(np.arange(length) - starts[document])[None]
     input_ids = torch.randint(0, 128, (1, length))
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 labels=input_ids.masked_fill(position_ids == 0, -100))
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                 "labels": input_ids.masked_fill(position_ids == 0, -100)}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     seconds = []
     for _ in range(2):
@@ -74,7 +75,7 @@ def plot(points: list[dict], path: str) -> None:
         lengths = [p["length"] for p in measured]
         axes[0].plot(lengths, [p["rise_mib"] for p in measured], "o-", label=route)
         axes[1].plot(lengths, [p["step_s"] for p in measured], "o-", label=route)
-    for ax, label in zip(axes, ("peak RSS rise in the step, MiB", "forward + backward, s")):
+    for ax, label in zip(axes, ("peak RSS rise in the step, MiB", "forward + backward, s"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("row length, tokens (one row, documents of median 128 tokens)")
@@ -106,7 +107,8 @@ def main() -> None:
                 point["skipped"] = f"above --dense-max {args.dense_max} (~{length**2 * 5 / 2**30:.0f} GiB)"
             else:
                 process = subprocess.run([sys.executable, os.path.abspath(__file__), "--seed", str(args.seed),
-                                          "--child", str(length), route], capture_output=True, text=True, env=environment)
+                                          "--child", str(length), route],
+                                         capture_output=True, text=True, env=environment)
                 if process.returncode:
                     point["skipped"] = f"exit code {process.returncode}: {process.stderr.strip()[-200:]}"
                 else:

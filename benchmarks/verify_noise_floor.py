@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from llm_packing import configure_packing, unconfigure_packing
-from llm_packing import verify as verify_module
-from llm_packing.pretrained import load_bundled_model
+from llm_packing.demo.pretrained import load_bundled_model
+from llm_packing.hook import verify as verify_module
 
 
 def differences(model, seed):

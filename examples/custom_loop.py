@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llm_packing import DataCollatorWithPacking, configure_packing, pack_dataset, verify_packing
-from llm_packing.documents import load_demo_documents
+from llm_packing.cli.documents import load_demo_documents
 
 
 parser = argparse.ArgumentParser()

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import SFTConfig
 
 from llm_packing import PackedSFTTrainer, pack_dataset
-from llm_packing.demo_data import load_demo_tokenizer
-from llm_packing.documents import load_demo_documents
+from llm_packing.cli.documents import load_demo_documents
+from llm_packing.demo.chitchat import load_demo_tokenizer
 
 
 parser = argparse.ArgumentParser()

@@ -1,7 +1,16 @@
-"""llm_packing: uncontaminated sequence packing for Hugging Face Trainer and TRL fine-tuning."""
+"""llm_packing: uncontaminated sequence packing for Hugging Face Trainer and TRL fine-tuning.
+
+The public API, each name imported from its sub-package on first use. The layers, bottom up: `core` (the packing
+engine, numpy only), `data` (`pack_dataset`), `hook` (`configure_packing` and the support table), `batches` (the
+collator, the packed forward of padded batches), `trainers` (TRL's trainers, packed), `demo` and `cli`.
+
+May import: any sub-package, lazily.
+"""
 
 import importlib
 from typing import TYPE_CHECKING
+
+from . import _moved
 
 
 __version__ = "0.1.0.dev0"
@@ -9,31 +18,37 @@ __version__ = "0.1.0.dev0"
 # Public name -> module holding it. Imported on first use (PEP 562): `import llm_packing` stays light, so the command
 # line can speak before torch loads, and `PackedSFTTrainer` needs TRL only when used.
 _EXPORTS = {
-    "supported_model_types": "architectures",
-    **dict.fromkeys(("STRATEGIES", "PackResult", "pack_sequences", "seed_from_components"), "binpack"),
-    "DataCollatorWithPacking": "collator",
-    **dict.fromkeys(("PackedDatasetEpochs", "pack_dataset"), "dataset"),
+    "supported_model_types": "hook.support.architectures",
+    **dict.fromkeys(("STRATEGIES", "PackResult", "pack_sequences", "seed_from_components"), "core.binpack"),
+    "DataCollatorWithPacking": "batches.collator",
+    **dict.fromkeys(("PackedDatasetEpochs", "pack_dataset"), "data.pack"),
     **dict.fromkeys(
         ("ContaminationError", "IncompatibleTransformersError", "PackingError", "PackingTypeError",
          "PackingValueError", "SequenceTooLongError", "UnsupportedSetupError"),
         "errors",
     ),
-    **dict.fromkeys(("get_seqlens_in_batch", "get_unpad_data", "is_indexed_packed_mask"), "masks"),
+    **dict.fromkeys(("get_seqlens_in_batch", "get_unpad_data", "is_indexed_packed_mask"), "hook.masks"),
     **dict.fromkeys(
-        ("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "patch"
+        ("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "hook.configure"
     ),
-    "PackingStats": "stats",
-    "PackedDPOTrainer": "preference",
-    "PackedGRPOTrainer": "grpo",
-    "PackedRewardTrainer": "reward",
-    "PackedSFTTrainer": "trainer",
-    "verify_packing": "verify",
+    "PackingStats": "core.stats",
+    "PackedDPOTrainer": "trainers.dpo",
+    "PackedGRPOTrainer": "trainers.grpo",
+    "PackedRewardTrainer": "trainers.reward",
+    "PackedSFTTrainer": "trainers.sft",
+    "verify_packing": "hook.verify",
+    "PackingArguments": "cli.arguments",
 }
 
 __all__ = sorted(_EXPORTS)
 
+_moved.install()
+
 
 def __getattr__(name: str):
+    if name in _moved.MOVED:  # `from llm_packing import masks`, from before the sub-packages
+        module = globals()[name] = importlib.import_module(_moved.new_home(name))
+        return module
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
@@ -46,24 +61,42 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from .architectures import supported_model_types
-    from .binpack import STRATEGIES, PackResult, pack_sequences, seed_from_components
-    from .collator import DataCollatorWithPacking
-    from .dataset import PackedDatasetEpochs, pack_dataset
-    from .errors import (
-        ContaminationError,
-        IncompatibleTransformersError,
-        PackingError,
-        PackingTypeError,
-        PackingValueError,
-        SequenceTooLongError,
-        UnsupportedSetupError,
+    from .batches.collator import DataCollatorWithPacking as DataCollatorWithPacking
+    from .cli.arguments import PackingArguments as PackingArguments
+    from .core.binpack import (
+        STRATEGIES as STRATEGIES,
+        PackResult as PackResult,
+        pack_sequences as pack_sequences,
+        seed_from_components as seed_from_components,
     )
-    from .masks import get_seqlens_in_batch, get_unpad_data, is_indexed_packed_mask
-    from .patch import configure_packing, is_packing_configured, packing_configured, unconfigure_packing
-    from .grpo import PackedGRPOTrainer
-    from .preference import PackedDPOTrainer
-    from .reward import PackedRewardTrainer
-    from .stats import PackingStats
-    from .trainer import PackedSFTTrainer
-    from .verify import verify_packing
+    from .core.stats import PackingStats as PackingStats
+    from .data.pack import (
+        PackedDatasetEpochs as PackedDatasetEpochs,
+        pack_dataset as pack_dataset,
+    )
+    from .errors import (
+        ContaminationError as ContaminationError,
+        IncompatibleTransformersError as IncompatibleTransformersError,
+        PackingError as PackingError,
+        PackingTypeError as PackingTypeError,
+        PackingValueError as PackingValueError,
+        SequenceTooLongError as SequenceTooLongError,
+        UnsupportedSetupError as UnsupportedSetupError,
+    )
+    from .hook.configure import (
+        configure_packing as configure_packing,
+        is_packing_configured as is_packing_configured,
+        packing_configured as packing_configured,
+        unconfigure_packing as unconfigure_packing,
+    )
+    from .hook.masks import (
+        get_seqlens_in_batch as get_seqlens_in_batch,
+        get_unpad_data as get_unpad_data,
+        is_indexed_packed_mask as is_indexed_packed_mask,
+    )
+    from .hook.support.architectures import supported_model_types as supported_model_types
+    from .hook.verify import verify_packing as verify_packing
+    from .trainers.dpo import PackedDPOTrainer as PackedDPOTrainer
+    from .trainers.grpo import PackedGRPOTrainer as PackedGRPOTrainer
+    from .trainers.reward import PackedRewardTrainer as PackedRewardTrainer
+    from .trainers.sft import PackedSFTTrainer as PackedSFTTrainer

@@ -11,8 +11,11 @@ import transformers
 from packaging.version import Version
 
 from .errors import IncompatibleTransformersError
-from .layout import MASK_BUILDER_NAMES
 
+
+# The transformers functions that turn a 2-D mask into what a backend reads: the hook replaces them, and an
+# architecture is a candidate only if its modeling module builds its mask through one of them.
+MASK_BUILDER_NAMES = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 # The versions the parity matrix has run against. Below the minimum the builders had other signatures
 # (`cache_position` until 5.9), no packed-sequence support for sdpa/eager/flex (before 5.23), and other model types
@@ -77,7 +80,9 @@ def check_transformers_internals() -> None:
     expected; warn once above the highest tested version."""
     global _warned_untested
     if TRANSFORMERS_VERSION < Version(MIN_TRANSFORMERS_VERSION):
-        raise _incompatible(f"transformers {TRANSFORMERS_VERSION} is older than the minimum {MIN_TRANSFORMERS_VERSION}")
+        raise _incompatible(
+            f"transformers {TRANSFORMERS_VERSION} is older than the minimum {MIN_TRANSFORMERS_VERSION}"
+        )
     from transformers import masking_utils, modeling_flash_attention_utils
 
     for name in MASK_BUILDER_NAMES:
@@ -102,7 +107,8 @@ def check_transformers_internals() -> None:
     if TRANSFORMERS_VERSION > Version(MAX_TESTED_TRANSFORMERS_VERSION) and not _warned_untested:
         _warned_untested = True
         warnings.warn(
-            f"llm_packing is tested with transformers {MIN_TRANSFORMERS_VERSION} to {MAX_TESTED_TRANSFORMERS_VERSION}; "
+            f"llm_packing is tested with transformers {MIN_TRANSFORMERS_VERSION} to "
+            f"{MAX_TESTED_TRANSFORMERS_VERSION}; "
             f"you have {TRANSFORMERS_VERSION}. Its internals check passed; run `verify_packing(model)` to confirm "
             "documents stay isolated.",
             UserWarning,

@@ -41,11 +41,11 @@ def hook_bindings_undone():
 def unconfigure_after():
     """For tests of trainers that configure the hook themselves (process-wide, in their constructor): undone after."""
     yield
-    sys.modules["llm_packing.patch"].unconfigure_packing()
+    sys.modules["llm_packing.hook.configure"].unconfigure_packing()
 
 
 def _fail_if_left(find):
-    patch = sys.modules.get("llm_packing.patch")
+    patch = sys.modules.get("llm_packing.hook.configure")
     if patch is None:  # never imported, so nothing was patched
         return
     left = (["is_packing_configured() is True"] if patch.is_packing_configured() else []) + find()

@@ -1,5 +1,5 @@
 """ALiBi models that build their biases from the 2-D mask (bloom; falcon with `alibi=True`, as Falcon-RW): under the
-hook every key gets the bias of its position within its own document (`llm_packing/alibi.py`).
+hook every key gets the bias of its position within its own document (`llm_packing/hook/alibi.py`).
 
 The parity matrix covers bloom (its only configuration); falcon's tiny config uses rotary embeddings, so its ALiBi
 variant is proven here on each backend it runs on (FlashAttention refuses ALiBi in transformers itself).
@@ -11,8 +11,8 @@ from test_parity import TOLERANCE, _max_differences
 from tiny_models import packed_batch, tiny_model
 from transformers.models.falcon import modeling_falcon
 
-from llm_packing import alibi
-from llm_packing.patch import packing_configured
+from llm_packing.hook import alibi
+from llm_packing.hook.configure import packing_configured
 
 
 ALIBI_MODELS = [("bloom", "eager", {}), ("falcon", "eager", {"alibi": True}), ("falcon", "sdpa", {"alibi": True})]

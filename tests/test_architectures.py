@@ -7,8 +7,10 @@ import pytest
 import test_flash_path
 import test_parity
 
-from llm_packing import support_matrix
-from llm_packing.architectures import (
+from llm_packing.errors import UnsupportedSetupError
+from llm_packing.hook.mixers import MIXERS
+from llm_packing.hook.support import matrix as support_matrix
+from llm_packing.hook.support.architectures import (
     REFUSED_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
     candidate_model_types,
@@ -16,8 +18,6 @@ from llm_packing.architectures import (
     require_supported,
     supported_model_types,
 )
-from llm_packing.errors import UnsupportedSetupError
-from llm_packing.mixers import MIXERS
 
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "support_matrix.md")
@@ -82,7 +82,8 @@ def test_require_supported_refuses_non_attention_layers_of_a_supported_type():
 
 
 def test_hybrids_whose_mixers_are_isolated_are_supported():
-    """llm_packing.mixers re-batches their mixers per document; tests/test_parity.py and tests/test_mixers.py prove it."""
+    """llm_packing.hook.mixers re-batches their mixers per document; tests/test_parity.py and tests/test_mixers.py
+    prove it."""
     assert {"qwen3_5_text", "qwen3_next", "nemotron_h", "mamba2", "lfm2", "jamba", "mamba", "recurrent_gemma"} <= set(
         supported_model_types()
     )
@@ -123,7 +124,7 @@ def test_committed_support_matrix_is_what_the_generator_prints():
     with open(DOC, encoding="utf-8") as handle:
         committed = handle.read()
     assert committed == support_matrix.support_matrix_markdown(), (
-        "docs/support_matrix.md is stale: run `python -m llm_packing.support_matrix > docs/support_matrix.md`"
+        "docs/support_matrix.md is stale: run `python -m llm_packing.hook.support.matrix > docs/support_matrix.md`"
     )
 
 
@@ -132,7 +133,7 @@ def test_readme_counts_are_the_tables():
     to or dropped from the matrix cannot leave the README's headline behind."""
     import re
 
-    from llm_packing.architectures import _refused_model_types
+    from llm_packing.hook.support.architectures import _refused_model_types
 
     with open(os.path.join(os.path.dirname(DOC), os.pardir, "README.md"), encoding="utf-8") as handle:
         readme = " ".join(handle.read().split())

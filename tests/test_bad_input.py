@@ -46,10 +46,10 @@ from llm_packing import (
     unconfigure_packing,
     verify_packing,
 )
-from llm_packing import collator as collator_module
-from llm_packing import dataset as dataset_module
-from llm_packing.layout import MASK_BUILDER_NAMES
-from llm_packing.mixers import MIXERS
+from llm_packing._compat import MASK_BUILDER_NAMES
+from llm_packing.batches import collator as collator_module
+from llm_packing.data import pack as dataset_module
+from llm_packing.hook.mixers import MIXERS
 
 
 SMALL = {"input_ids": [[1, 2, 3], [4, 5], [6]]}
@@ -58,11 +58,11 @@ ROWS = [
     {"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, -100, 4, 5], "seq_lengths": [2, 3]},
     {"input_ids": [6, 7], "seq_lengths": [2]},
 ]
-PACKED = dict(
-    input_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
-    attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
-    position_ids=torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
-)
+PACKED = {
+    "input_ids": torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
+    "attention_mask": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
+    "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
+}
 
 
 def shown(value) -> str:
@@ -85,7 +85,8 @@ def hook_state():
 def assert_same_hook_state(before):
     after = hook_state()
     assert len(after) == len(before)
-    assert all(a is b for a, b in zip(after, before)), "an error left the hook half-applied or half-removed"
+    half_done = "an error left the hook half-applied or half-removed"
+    assert all(a is b for a, b in zip(after, before, strict=True)), half_done
 
 
 @pytest.fixture
@@ -143,7 +144,7 @@ def assert_packs_normally(container):
     elif container == "dataset_dict":
         assert out["train"] == out["bad"] == SMALL_PACKED
     else:
-        assert out == [dict(zip(SMALL_PACKED, row)) for row in zip(*SMALL_PACKED.values())]
+        assert out == [dict(zip(SMALL_PACKED, row, strict=True)) for row in zip(*SMALL_PACKED.values(), strict=True)]
 
 
 class TestPackDatasetBadData:
@@ -524,7 +525,7 @@ class TestDeprecationsFailTheRun:
     @pytest.mark.parametrize("category", [DeprecationWarning, FutureWarning])
     def test_a_dependency_deprecation_hit_by_our_code_is_an_error(self, monkeypatch, category):
         # What a transformers/torch deprecation looks like: `warnings.warn(..., stacklevel=2)` names the caller, here
-        # `llm_packing.dataset`, and the filter's module regex matches that caller's `__name__`.
+        # `llm_packing.data.pack`, and the filter's module regex matches that caller's `__name__`.
         real = dataset_module.pack_sequences
 
         def deprecated(*args, **kwargs):
@@ -605,8 +606,8 @@ class TestResourceBounds:
 PEAK_MEMORY_PROBE = """
 import json, resource
 import numpy as np, torch
-from llm_packing.collator import DataCollatorWithPacking
-from llm_packing.masks import get_unpad_data
+from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.hook.masks import get_unpad_data
 
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))

@@ -1,10 +1,9 @@
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from llm_packing.binpack import STRATEGIES, PackResult, pack_sequences, seed_from_components
+from llm_packing.core.binpack import STRATEGIES, PackResult, pack_sequences, seed_from_components
 from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
 
 

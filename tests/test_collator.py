@@ -1,12 +1,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from llm_packing import patch
-from llm_packing.collator import DataCollatorWithPacking
+from llm_packing.batches.collator import DataCollatorWithPacking
 from llm_packing.errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
+from llm_packing.hook import configure as patch
 
 
 # Two packed rows: documents [1, 2] + [3, 4, 5], and [6, 7] alone; row 1 carries its own labels.
@@ -133,7 +132,7 @@ class TestRawExamples:
         assert batch["input_ids"].shape[1] <= max_length
         found = []
         for ids, labels, positions, mask in zip(*(batch[k].tolist() for k in ("input_ids", "labels", "position_ids",
-                                                                                "attention_mask"))):
+                                                                                "attention_mask")), strict=True):
             for doc in range(1, max(mask) + 1):
                 tokens = [t for t, m in enumerate(mask) if m == doc]
                 assert tokens == list(range(tokens[0], tokens[-1] + 1))  # contiguous, in order

@@ -4,11 +4,10 @@ import datasets
 import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llm_packing import dataset as dataset_module
-from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
+from llm_packing.data import pack as dataset_module
+from llm_packing.data.pack import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
 
 
@@ -24,7 +23,7 @@ def documents_out(rows):
         bounds = np.cumsum([0, *row["seq_lengths"]])
         labels, positions = row.get("labels", row["input_ids"]), row.get("position_ids")
         assert len(row["input_ids"]) == len(labels) == len(positions or labels) == bounds[-1]
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             assert positions is None or positions[start:end] == list(range(end - start))
             assert "labels" not in row or row["labels"][start] == -100
             out.append((tuple(row["input_ids"][start:end]), tuple(labels[start + 1 : end])))
@@ -34,7 +33,7 @@ def documents_out(rows):
 def documents_expected(input_ids, labels, max_length, overflow):
     """The same, computed from the overflow policy's contract on the raw sequences."""
     expected = []
-    for ids, lab in zip(input_ids, labels):
+    for ids, lab in zip(input_ids, labels, strict=True):
         if overflow == "drop" and len(ids) > max_length:
             continue
         stop = min(len(ids), max_length) if overflow == "truncate" else len(ids)
@@ -144,9 +143,9 @@ class TestOverflow:
     def test_conservation(self, lengths, max_length, overflow, with_labels):
         rng = np.random.default_rng(sum(lengths) + max_length)
         input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
-        labels = [np.where(rng.random(n) < 0.3, -100, ids).tolist() for n, ids in zip(lengths, input_ids)]
+        labels = [np.where(rng.random(n) < 0.3, -100, ids).tolist() for n, ids in zip(lengths, input_ids, strict=True)]
         columns = {"input_ids": input_ids, **({"labels": labels} if with_labels else {})}
-        ds = Dataset.from_dict(columns, features=datasets.Features({k: INT32_LISTS["input_ids"] for k in columns}))
+        ds = Dataset.from_dict(columns, features=datasets.Features(dict.fromkeys(columns, INT32_LISTS["input_ids"])))
         if overflow == "error" and max(lengths) > max_length:
             with pytest.raises(SequenceTooLongError):
                 pack_dataset(ds, max_length, overflow=overflow)

@@ -11,12 +11,12 @@ import torch
 from datasets import Dataset, DatasetDict
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from llm_packing import dataset as dataset_module
-from llm_packing import packed_cache, token_columns
-from llm_packing.collator import DataCollatorWithPacking
-from llm_packing.dataset import PackedDatasetEpochs, pack_dataset
+from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.core.stats import PackingStats
+from llm_packing.data import pack as dataset_module
+from llm_packing.data._io import packed_cache, token_columns
+from llm_packing.data.pack import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingError, PackingValueError
-from llm_packing.stats import PackingStats
 
 
 def random_columns(num_rows=60, seed=0, labels=True, masks=True):
@@ -25,7 +25,7 @@ def random_columns(num_rows=60, seed=0, labels=True, masks=True):
     columns = {"input_ids": [rng.integers(0, 1000, n).tolist() for n in lengths]}
     if labels:
         columns["labels"] = [np.where(rng.random(n) < 0.3, -100, ids).tolist()
-                             for n, ids in zip(lengths, columns["input_ids"])]
+                             for n, ids in zip(lengths, columns["input_ids"], strict=True)]
     if masks:
         columns["completion_mask"] = [(rng.random(n) < 0.8).astype(int).tolist() for n in lengths]
         columns["assistant_masks"] = [(rng.random(n) < 0.9).tolist() for n in lengths]  # booleans: Arrow packs bits
@@ -182,8 +182,8 @@ class TestCache:
         assert again._fingerprint == packed._fingerprint
         with pytest.raises(AssertionError, match="packed again"):
             pack_dataset(ds, 20, overflow="split", load_from_cache_file=False)
-        for changed in (dict(max_length=21), dict(seed=1), dict(overflow="drop"), dict(return_position_ids=True),
-                        dict(max_docs_per_bin=3), dict(strategy="ffd")):
+        for changed in ({"max_length": 21}, {"seed": 1}, {"overflow": "drop"}, {"return_position_ids": True},
+                        {"max_docs_per_bin": 3}, {"strategy": "ffd"}):
             with pytest.raises(AssertionError, match="packed again"):
                 pack_dataset(ds, **{"max_length": 20, "overflow": "split", **changed})
 
@@ -277,9 +277,9 @@ class TestCache:
         assert {advice for _, _, advice in advised} == {packed_cache.os.POSIX_FADV_DONTNEED}
         starts = [start for start, _ in chunks]
         sent = [(a, b) for a, b, _ in advised if a in starts]
-        assert sent == list(zip(starts, starts[1:] + [end]))
+        assert sent == list(zip(starts, starts[1:] + [end], strict=True))
         dropped = [(a, b) for a, b, _ in advised if (a, b) not in sent]
-        assert dropped[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(dropped, dropped[1:]))
+        assert dropped[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(dropped, dropped[1:], strict=True))
         assert dropped[-1][1] == starts[-1] - 4096
         assert (tmp_path / "packed.arrow").stat().st_size == end + 8
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from llm_packing.direct_writes import BLOCK, DirectFile, aligned
+from llm_packing.data._io.direct_writes import BLOCK, DirectFile, aligned
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
 
+from llm_packing.batches.padded_forward import pack_padded_batch
 from llm_packing.errors import PackingValueError, SequenceTooLongError
-from llm_packing.padded_forward import pack_padded_batch
-from llm_packing.preference import PackedDPOTrainer, _check_pairs
+from llm_packing.trainers.dpo import PackedDPOTrainer, _check_pairs
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]

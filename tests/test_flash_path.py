@@ -20,20 +20,19 @@ import sys
 import pytest
 import torch
 from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
-from transformers import masking_utils, modeling_utils
-from transformers import modeling_flash_attention_utils as flash_utils
+from transformers import masking_utils, modeling_flash_attention_utils as flash_utils, modeling_utils
 from transformers.integrations import flash_attention, hub_kernels, msa_attention
 
-from llm_packing.architectures import (
+from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.errors import UnsupportedSetupError
+from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.support.architectures import (
     FLASH_ATTENTION_3_RUN,
     FLASH_BACKENDS,
     REFUSED_BACKENDS,
     backend_available,
     supported_model_types,
 )
-from llm_packing.collator import DataCollatorWithPacking
-from llm_packing.errors import UnsupportedSetupError
-from llm_packing.patch import packing_configured
 
 
 TOLERANCE = 1e-5

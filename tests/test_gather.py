@@ -5,11 +5,11 @@ import pyarrow as pa
 import pytest
 from datasets import Dataset
 
-from llm_packing import dataset as dataset_module
-from llm_packing import gather, resident_pages, token_columns
-from llm_packing.dataset import pack_dataset
+from llm_packing.data import pack as dataset_module
+from llm_packing.data._io import gather, resident_pages, token_columns
+from llm_packing.data._io.resident_pages import ResidentPages
+from llm_packing.data.pack import pack_dataset
 from llm_packing.errors import PackingValueError
-from llm_packing.resident_pages import ResidentPages
 
 
 def mapped(tmp_path, columns, rows_per_batch=1000) -> Dataset:
@@ -50,7 +50,7 @@ def test_groups_give_the_rows_of_one_pass(tmp_path, monkeypatch, group, chunk, c
     monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", group)
     monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
     monkeypatch.setattr(resident_pages, "RESIDENT_LIMIT", 0)  # the mapped input is read in input order
-    for overflow, want in zip(("split", "truncate"), expected):
+    for overflow, want in zip(("split", "truncate"), expected, strict=True):
         for ds in (Dataset.from_dict(columns), mapped(tmp_path, columns, rows_per_batch=7)):
             packed = pack_dataset(ds, 64, overflow=overflow, seed=2, return_position_ids=True)
             assert packed.to_dict() == want.to_dict()

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from llm_packing.grpo import PackedGRPOTrainer
+from llm_packing.trainers.grpo import PackedGRPOTrainer
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]

@@ -1,4 +1,4 @@
-"""The packed row's rules, from their one home (`llm_packing/layout.py`), and the three producers of packed rows
+"""The packed row's rules, from their one home (`llm_packing/core/rows.py`), and the three producers of packed rows
 (map-style `pack_dataset`, the stream, the collator given raw examples) applying them alike."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset
 
 from llm_packing import DataCollatorWithPacking, PackingValueError, pack_dataset
-from llm_packing.layout import INT32_MAX, check_tokens, ignore_document_starts, ignore_masked, position_ids
+from llm_packing.core.rows import INT32_MAX, check_tokens, ignore_document_starts, ignore_masked, position_ids
 
 
 def test_the_rules_by_hand():

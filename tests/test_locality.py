@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from llm_packing.binpack import pack_sequences
-from llm_packing.dataset import pack_dataset
-from llm_packing.locality import local_order
+from llm_packing.core.binpack import pack_sequences
+from llm_packing.core.locality import local_order
+from llm_packing.data.pack import pack_dataset
 
 
 def lognormal_lengths(count, seed=0, max_length=4096):

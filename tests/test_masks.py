@@ -2,8 +2,14 @@ import pytest
 import torch
 import transformers.modeling_flash_attention_utils as flash_utils
 
-from llm_packing import PackingTypeError, PackingValueError, get_seqlens_in_batch, get_unpad_data, is_indexed_packed_mask
-from llm_packing.masks import document_position_ids
+from llm_packing import (
+    PackingTypeError,
+    PackingValueError,
+    get_seqlens_in_batch,
+    get_unpad_data,
+    is_indexed_packed_mask,
+)
+from llm_packing.hook.masks import document_position_ids
 
 
 INDEXED = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]])

@@ -17,10 +17,11 @@ import torch
 from test_parity import TOLERANCE, _max_differences, _token_losses
 from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 
-from llm_packing import mixers, verify_packing
+from llm_packing import verify_packing
 from llm_packing.errors import ContaminationError, UnsupportedSetupError
-from llm_packing.mixers import MIXERS, DocumentBatches
-from llm_packing.patch import configure_packing, packing_configured, unconfigure_packing
+from llm_packing.hook import mixers
+from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
+from llm_packing.hook.mixers import MIXERS, DocumentBatches
 
 
 # One architecture per mixer kind, with the backend it runs here.
@@ -140,7 +141,8 @@ def test_unconfigure_restores_every_mixer_forward(model_type):
     originals = [cls.forward for cls in mixers.mixer_classes(model_type)] + [cls.__call__ for cls in recorders]
     configure_packing(model)
     try:
-        assert [cls.forward for cls in mixers.mixer_classes(model_type)] != originals[: len(originals) - len(recorders)]
+        wrapped = [cls.forward for cls in mixers.mixer_classes(model_type)]
+        assert wrapped != originals[: len(originals) - len(recorders)]
         assert all("__call__" in vars(cls) for cls in recorders)
     finally:
         unconfigure_packing()

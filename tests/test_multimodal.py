@@ -8,8 +8,8 @@ from tiny_models import packed_batch, tiny_model
 from transformers import MllamaTextConfig
 
 from llm_packing.errors import UnsupportedSetupError
-from llm_packing.model_types import causal_lm_model_type
-from llm_packing.patch import packing_configured
+from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.support.model_types import causal_lm_model_type
 
 
 IMAGE_TOKEN_ID = 5  # inside the tiny vocabulary, so that a batch can hold it

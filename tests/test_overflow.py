@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from llm_packing.core.overflow import cut_pieces
 from llm_packing.errors import PackingValueError
-from llm_packing.overflow import cut_pieces
 
 
 @pytest.mark.parametrize("overflow", ["wrap", "Split", None])

@@ -5,6 +5,7 @@ import torch
 from tiny_models import tiny_model
 from trl.trainer.utils import add_fused_lm_head
 
+from llm_packing.batches.padded_forward import pack_fused_lm_head, pack_padded_batch
 from llm_packing.errors import (
     ContaminationError,
     PackingTypeError,
@@ -12,8 +13,7 @@ from llm_packing.errors import (
     SequenceTooLongError,
     UnsupportedSetupError,
 )
-from llm_packing.padded_forward import pack_fused_lm_head, pack_padded_batch
-from llm_packing.patch import configure_packing, unconfigure_packing
+from llm_packing.hook.configure import configure_packing, unconfigure_packing
 
 
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1", "label_mask")

@@ -6,7 +6,8 @@ The packed batch (`tiny_models.packed_batch`) has two rows of 18 tokens: documen
 sliding windows / attention chunks of the tiny configs are all covered. The reference runs each document alone
 (batch 1, no padding, positions 0..n-1).
 
-sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/varlen.py; the test asserts that it is taken
+sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/varlen.py; the test asserts that it is
+taken
 and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one route.
 
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
@@ -17,16 +18,16 @@ import torch
 from tiny_models import PACKED_DOCUMENT_LENGTHS, WINDOW, packed_batch, tiny_model
 from transformers import masking_utils
 
-from llm_packing import varlen
-from llm_packing.architectures import (
+from llm_packing.errors import UnsupportedSetupError
+from llm_packing.hook import varlen
+from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.support.architectures import (
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
     backend_available,
     sdpa_route,
     supported_model_types,
 )
-from llm_packing.errors import UnsupportedSetupError
-from llm_packing.patch import packing_configured
 
 
 TOLERANCE = 1e-5
@@ -109,7 +110,8 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, stat
     batch = packed_batch()
     calls = {}
     _count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
-    _count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)
+    mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    _count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
     with packing_configured(model, attention_route=route):
         packed_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
         logits = _forward(model, **packed_inputs)
@@ -212,12 +214,13 @@ def _difference_of_given_positions(model_type) -> float:
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
-    [("bert", "encoder family"), ("roberta", "encoder family"), ("bart", "encoder-decoder"), ("marian", "encoder-decoder")],
+    [("bert", "encoder family"), ("roberta", "encoder family"), ("bart", "encoder-decoder"),
+     ("marian", "encoder-decoder")],
 )
 def test_refused_families_leak_with_the_hook(model_type, reason, monkeypatch):
     """The written reasons of two refused families, measured: with the hook forced on (its support check bypassed),
     an encoder's causal-LM class on its default config and an encoder-decoder model's decoder still mix documents."""
-    from llm_packing import architectures
+    from llm_packing.hook.support import architectures
 
     assert reason in architectures.refusal_reason(model_type)
     monkeypatch.setattr(architectures, "require_supported", lambda config: None)
@@ -231,7 +234,7 @@ def test_refused_families_leak_with_the_hook(model_type, reason, monkeypatch):
 def test_encoder_family_leak_is_its_bidirectional_attention(monkeypatch):
     """The encoder reason's cause: the same bert with `is_decoder=True` (causal self-attention) is exact under the
     hook, so what the default config leaks through is its bidirectional attention, not the hook."""
-    from llm_packing import architectures
+    from llm_packing.hook.support import architectures
 
     monkeypatch.setattr(architectures, "require_supported", lambda config: None)
     model = tiny_model("bert", "eager", is_decoder=True)

@@ -14,28 +14,28 @@ import transformers.modeling_flash_attention_utils as flash_utils
 from tiny_models import tiny_model
 from transformers.models.llama import modeling_llama
 
+import llm_packing
 from llm_packing import (
     ContaminationError,
     IncompatibleTransformersError,
     UnsupportedSetupError,
+    _compat,
     configure_packing,
     is_packing_configured,
     packing_configured,
     unconfigure_packing,
     verify_packing,
 )
-import llm_packing
-from llm_packing import _compat
-from llm_packing.layout import MASK_BUILDER_NAMES
+from llm_packing._compat import MASK_BUILDER_NAMES
 
 
 # A modeling module that imports `create_causal_mask` by name and that the `model` fixture does not import itself.
 LATE_MODULE = "transformers.models.mistral.modeling_mistral"
-PACKED = dict(
-    input_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
-    attention_mask=torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
-    position_ids=torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
-)
+PACKED = {
+    "input_ids": torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]),
+    "attention_mask": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
+    "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
+}
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ class TestPatching:
         unconfigure_packing()
         after = _bindings()
         for key in ("masking_utils", "modeling_llama", "flash"):
-            assert all(a is b for a, b in zip(after[key], before[key])), key
+            assert all(a is b for a, b in zip(after[key], before[key], strict=True)), key
         assert all(after["mapping"][key] is value for key, value in before["mapping"].items())
         unconfigure_packing()
         assert not is_packing_configured()
@@ -125,7 +125,7 @@ class TestBehaviour:
         assert verify_packing(model, atol=1e-5) <= 1e-5
 
     def test_plain_padding_mask_gives_identical_logits_with_and_without_the_hook(self, model):
-        batch = dict(input_ids=PACKED["input_ids"], attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]))
+        batch = {"input_ids": PACKED["input_ids"], "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])}
         with torch.no_grad():
             plain = model(**batch, use_cache=False).logits
             configure_packing(model)
@@ -205,7 +205,7 @@ class TestRefusals:
     def test_hybrid_architecture_is_refused_and_nothing_is_patched(self, monkeypatch):
         from transformers import AutoConfig
 
-        from llm_packing.mixers import MIXERS
+        from llm_packing.hook.mixers import MIXERS
 
         monkeypatch.delitem(MIXERS, "bailing_hybrid")  # a hybrid whose mixers the table does not isolate
         with pytest.raises(UnsupportedSetupError, match="'bailing_hybrid'.*hybrid"):
@@ -214,7 +214,7 @@ class TestRefusals:
         assert not _is_hook_wrapper(modeling_llama.create_causal_mask)
 
     def test_large_dense_mask_warns_once_with_the_linear_memory_alternative(self, model, monkeypatch):
-        from llm_packing import patch
+        from llm_packing.hook import configure as patch
 
         monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", 2 * 6 * 6 - 1)
         monkeypatch.setattr(patch, "_warned_dense_mask", False)

@@ -19,8 +19,7 @@ import datasets
 import numpy as np
 import pytest
 from datasets import Dataset
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llm_packing import STRATEGIES, DataCollatorWithPacking, SequenceTooLongError, get_seqlens_in_batch, pack_dataset
 
@@ -47,13 +46,14 @@ def trained_labels(columns):
     """Per document, the label each token is trained on before packing (-100 where masked out)."""
     labels = columns.get("labels", columns["input_ids"])
     masks = columns.get("completion_mask", [[1] * len(ids) for ids in columns["input_ids"]])
-    return [[label if keep else IGNORE for label, keep in zip(doc, mask)] for doc, mask in zip(labels, masks)]
+    return [[label if keep else IGNORE for label, keep in zip(doc, mask, strict=True)]
+            for doc, mask in zip(labels, masks, strict=True)]
 
 
 def expected_documents(columns, max_length, overflow):
     """The `overflow` policy's contract: the (tokens, labels) of every document that must reach the batch."""
     out = []
-    for ids, labels in zip(columns["input_ids"], trained_labels(columns)):
+    for ids, labels in zip(columns["input_ids"], trained_labels(columns), strict=True):
         n = len(ids)
         if n == 0 or (n > max_length and overflow == "drop"):
             continue
@@ -120,8 +120,8 @@ def check_flash_segments(features, mask_batch, pad_to_multiple_of):
 def test_every_token_and_label_reaches_the_batch_as_the_policy_says(
     columns, max_length, overflow, strategy, seed, max_docs_per_bin, batch_size, pad_to_multiple_of, streaming
 ):
-    ds = Dataset.from_dict(columns, features=datasets.Features({name: INT_LISTS for name in columns}))
-    options = dict(overflow=overflow, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
+    ds = Dataset.from_dict(columns, features=datasets.Features(dict.fromkeys(columns, INT_LISTS)))
+    options = {"overflow": overflow, "strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
     lengths = [len(ids) for ids in columns["input_ids"]]
     def pack():
         if streaming:

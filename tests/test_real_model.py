@@ -22,9 +22,9 @@ from transformers import PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from llm_packing import ContaminationError, DataCollatorWithPacking, pack_dataset, packing_configured, verify_packing
+from llm_packing.cli.sample_reply import sample_reply
+from llm_packing.demo.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
 from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
-from llm_packing.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
-from llm_packing.sample_reply import sample_reply
 
 
 # float32 noise of this model: a document's logits move when unrelated tokens follow it in a 64-token row, plain causal

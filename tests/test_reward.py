@@ -7,10 +7,10 @@ from test_dpo import BATCH, STEPS, TINY, pairs, tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
+from llm_packing.batches.padded_forward import pack_padded_batch
 from llm_packing.errors import ContaminationError, PackingValueError
-from llm_packing.padded_forward import pack_padded_batch
-from llm_packing.patch import packing_configured
-from llm_packing.reward import PackedRewardTrainer, pack_sequence_scores
+from llm_packing.hook.configure import packing_configured
+from llm_packing.trainers.reward import PackedRewardTrainer, pack_sequence_scores
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unconfigure_after")]

@@ -13,15 +13,15 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from llm_packing.collator import DataCollatorWithPacking
-from llm_packing.dataset import pack_dataset
-from llm_packing.patch import configure_packing, unconfigure_packing
+from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.data.pack import pack_dataset
+from llm_packing.hook.configure import configure_packing, unconfigure_packing
 
 
 pytestmark = pytest.mark.slow
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
 LENGTHS = [5, 9, 14, 3, 21, 7, 11, 2, 17, 6]  # 95 tokens; rows of 32 hold several documents each
 MAX_LENGTH = 32
 STEPS = 3
@@ -40,7 +40,7 @@ class LossRecordingSFTTrainer(SFTTrainer):
 def documents() -> Dataset:
     rng = np.random.default_rng(0)
     input_ids = [rng.integers(3, 128, n).tolist() for n in LENGTHS]
-    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(LENGTHS, input_ids)]
+    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(LENGTHS, input_ids, strict=True)]
     return Dataset.from_dict({"input_ids": input_ids, "labels": labels})
 
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from llm_packing.stats import PackingStats
+from llm_packing.core.stats import PackingStats
 
 
 class TestPackingStats:

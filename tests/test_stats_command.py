@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from llm_packing import cli
-from llm_packing.binpack import STRATEGIES, pack_sequences
-from llm_packing.documents import load_demo_documents, load_tokenizer
+from llm_packing.cli.documents import load_demo_documents, load_tokenizer
+from llm_packing.cli.stats import compare_strategies, main
+from llm_packing.core.binpack import STRATEGIES, pack_sequences
+from llm_packing.core.overflow import cut_pieces
 from llm_packing.errors import PackingValueError, SequenceTooLongError
-from llm_packing.overflow import cut_pieces
-from llm_packing.stats_command import compare_strategies, main
 
 
 MAX_LENGTH = 128

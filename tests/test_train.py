@@ -1,5 +1,5 @@
-"""The training entry point: recipes parse, bad recipes are refused by name, and the tiny recipe trains for real, packed
-or not (same first-step loss), with LoRA, from the console script and as a 2-process `accelerate launch` job."""
+"""The training entry point: recipes parse, bad recipes are refused by name, and the tiny recipe trains for real,
+packed or not (same first-step loss), with LoRA, from the console script and as a 2-process `accelerate launch` job."""
 
 import ast
 import dataclasses
@@ -12,17 +12,15 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
-
-import torch
-
 from transformers import set_seed
 
-from llm_packing.documents import load_documents, load_tokenizer, tokenize_documents
+from llm_packing.cli.documents import load_documents, load_tokenizer, tokenize_documents
+from llm_packing.cli.startup import load_model
+from llm_packing.cli.train import main, parse_args
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
-from llm_packing.train import main, parse_args
-from llm_packing.train_setup import load_model
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,8 +69,8 @@ def test_every_accelerate_config_parses(path):
 
 def test_command_line_overrides_recipe(tmp_path):
     script_args, training_args, _, packing_args = parse_args(
-        ["--config", TINY, "--max_steps", "7", "--packing_strategy", "wfd", "--max_samples=5", "--learning_rate", "0.5",
-         "--output_dir", str(tmp_path)]
+        ["--config", TINY, "--max_steps", "7", "--packing_strategy", "wfd", "--max_samples=5", "--learning_rate",
+         "0.5", "--output_dir", str(tmp_path)]
     )
     assert (training_args.max_steps, packing_args.packing_strategy, script_args.max_samples) == (7, "wfd", 5)
     assert training_args.learning_rate == 0.5
@@ -304,7 +302,7 @@ def test_errors_read_as_flags_and_leave_nothing_behind(tmp_path, capsys):
 
 
 def test_bugs_keep_their_traceback():
-    from llm_packing.cli import run_command
+    from llm_packing.cli.main import run_command
 
     def bug(argv):
         raise RuntimeError("a real bug")
@@ -314,8 +312,8 @@ def test_bugs_keep_their_traceback():
 
 
 def test_a_split_that_cuts_most_documents_is_warned_about(caplog):
-    from llm_packing.stats import PackingStats
-    from llm_packing.train import _warn_if_mostly_split
+    from llm_packing.cli.train import _warn_if_mostly_split
+    from llm_packing.core.stats import PackingStats
 
     stats = PackingStats.from_bin_token_counts([8] * 30, num_sequences=30, capacity=8)
     with caplog.at_level(logging.WARNING, logger="llm_packing.train"):

@@ -10,9 +10,9 @@ import sys
 import pytest
 from trl import DPOConfig
 
-from llm_packing.demo_data import load_chitchat_preference_pairs
+from llm_packing.cli.train import main, parse_args
+from llm_packing.demo.chitchat import load_chitchat_preference_pairs
 from llm_packing.errors import PackingValueError
-from llm_packing.train import main, parse_args
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,15 +22,16 @@ from llm_packing import (
     pack_dataset,
     unconfigure_packing,
 )
-from llm_packing.demo_data import load_demo_tokenizer
-from llm_packing.packed_metadata import packed_max_length
+from llm_packing.data.metadata import packed_max_length
+from llm_packing.demo.chitchat import load_demo_tokenizer
 
 
-TINY = dict(vocab_size=32_000, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1)
+TINY = {"vocab_size": 32_000, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1}
 LENGTHS = [5, 9, 14, 3, 21, 7, 11, 2, 17, 6]  # 95 tokens; rows of 32 hold several documents each
 MAX_LENGTH = 32
-QUIET = dict(report_to="none", use_cpu=True, bf16=False, activation_checkpointing=False, save_strategy="no", seed=0)
+QUIET = {"report_to": "none", "use_cpu": True, "bf16": False, "activation_checkpointing": False, "save_strategy": "no",
+         "seed": 0}
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def tokenizer():
 def documents(lengths=LENGTHS, seed=0) -> Dataset:
     rng = np.random.default_rng(seed)
     input_ids = [rng.integers(10, TINY["vocab_size"], n).tolist() for n in lengths]
-    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(lengths, input_ids)]
+    labels = [np.where(rng.random(n) < 0.2, -100, ids).tolist() for n, ids in zip(lengths, input_ids, strict=True)]
     return Dataset.from_dict({"input_ids": input_ids, "labels": labels})
 
 
@@ -254,7 +255,8 @@ def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, data
 
 
 def test_eval_dataset_max_length_must_agree(tmp_path, tokenizer):
-    with pytest.raises(PackingValueError, match=r"pack_dataset \(train_dataset\) 32, pack_dataset \(eval_dataset\) 16"):
+    expected = r"pack_dataset \(train_dataset\) 32, pack_dataset \(eval_dataset\) 16"
+    with pytest.raises(PackingValueError, match=expected):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), **QUIET),
                          train_dataset=pack_dataset(documents(), MAX_LENGTH),
                          eval_dataset=pack_dataset(documents([3, 4]), 16), processing_class=tokenizer)
@@ -264,7 +266,7 @@ def test_refusal_after_trainer_init_leaves_no_output_folder(tmp_path, tokenizer,
     def contaminated(model):
         raise ContaminationError("documents attend across boundaries")
 
-    monkeypatch.setattr("llm_packing.trainer.verify_packing", contaminated)
+    monkeypatch.setattr("llm_packing.trainers.sft.verify_packing", contaminated)
     output_dir = tmp_path / "out"
     with pytest.raises(ContaminationError):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **QUIET),

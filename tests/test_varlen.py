@@ -13,9 +13,9 @@ import torch
 from tiny_models import packed_batch, tiny_model
 
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
-from llm_packing import masks, varlen
-from llm_packing.config import PackingArguments
-from llm_packing.varlen import PackedAttentionMask
+from llm_packing.cli.arguments import PackingArguments
+from llm_packing.hook import masks, varlen
+from llm_packing.hook.varlen import PackedAttentionMask
 
 
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]])
@@ -25,7 +25,7 @@ INPUTS = ("input_ids", "attention_mask", "position_ids")
 def _flat_spans(layout):
     """(flat start, length) of every attended piece, from `destination` and `cu_seqlens`."""
     bounds = layout.cu_seqlens.tolist()
-    return sorted((int(layout.destination[a]), b - a) for a, b in zip(bounds, bounds[1:]))
+    return sorted((int(layout.destination[a]), b - a) for a, b in zip(bounds, bounds[1:], strict=True))
 
 
 class TestLayout:
@@ -119,7 +119,7 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
         calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa))
         assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size[1] == 0
         outputs = []
-        for start, end in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:]):
+        for start, end in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:], strict=True):
             q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
             steps = torch.arange(end - start)
             band = steps[:, None] >= steps[None]
@@ -145,7 +145,8 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
     assert {window for _, _, window, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
-    assert all(gqa for *_, gqa in calls) and calls[0][1] == max(max(lengths) for lengths in ((5, 1, 7, 3), (9, 2, 1, 6)))
+    longest = max(max(lengths) for lengths in ((5, 1, 7, 3), (9, 2, 1, 6)))
+    assert all(gqa for *_, gqa in calls) and calls[0][1] == longest
     real = batch["attention_mask"] > 0
     assert (logits - expected)[real].abs().max() <= 1e-5
 
@@ -166,8 +167,9 @@ class TestRouteSwitch:
                 pass
 
     def test_softcapping_keeps_the_dense_route(self):
-        from llm_packing.architectures import sdpa_route
         from tiny_models import tiny_config
+
+        from llm_packing.hook.support.architectures import sdpa_route
 
         assert sdpa_route(tiny_config("gemma2")) == ("dense", "attention logit softcapping, which SDPA cannot apply")
         assert sdpa_route(tiny_config("llama")) == ("varlen", None)

@@ -8,7 +8,7 @@ import kernel_calls
 from test_parity import _forward, _max_differences
 from tiny_models import packed_batch, tiny_model
 
-from llm_packing.patch import packing_configured
+from llm_packing.hook.configure import packing_configured
 
 
 def main(model_types: list[str]) -> None:

@@ -1,0 +1,62 @@
+"""The `llm-packing` console script: `llm-packing <command> [arguments]`.
+
+Each command is a module with a `main(argv)` function, imported only when run (training pulls in TRL and torch).
+"""
+
+import importlib
+import re
+import sys
+
+from ..errors import PackingError
+
+
+COMMANDS = {
+    "train": ("llm_packing.cli.train", "fine-tune with packed documents from a YAML recipe (--config recipes/X.yaml)"),
+    "stats": ("llm_packing.cli.stats", "packing stats of each strategy for a dataset (--max_length 2048)"),
+}
+
+
+def main(argv: list[str] | None = None):
+    """Run the command named by the first argument of `argv` (default `sys.argv[1:]`) with the rest."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        usage = "\n".join(f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items())
+        print(f"usage: llm-packing <command> [arguments]\n\ncommands:\n{usage}", file=sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}.", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    if argv[0] == "train":  # torch, transformers and TRL take seconds to import: say something first
+        print("llm-packing train: loading torch, transformers and TRL...", file=sys.stderr, flush=True)
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return run_command(f"llm-packing {argv[0]}", module.main, argv[1:])
+
+
+def run_command(prog: str, main, argv: list[str]) -> int:
+    """`main(argv)`, with a `PackingError` (a user mistake) printed as one line and exit status 1; real bugs keep
+    their traceback."""
+    try:
+        main(argv)
+    except PackingError as error:  # the message says what to fix, a traceback would bury it
+        print(f"{prog}: error: {type(error).__name__}: {command_line_wording(str(error))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def command_line_wording(message: str) -> str:
+    """
+    Python keyword hints in an error message (`` `overflow='split'` ``) as the flag and recipe key a command-line user
+    writes.
+
+    Example:
+    ```python
+    >>> print(command_line_wording("or pass `overflow='split'` (keeps every token)"))
+    or pass `--overflow split` / `overflow: split` (keeps every token)
+
+    ```
+    """
+    return re.sub(r"`(\w+)=('?)([^`'\s]+)\2`", r"`--\1 \3` / `\1: \3`", message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

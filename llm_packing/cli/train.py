@@ -1,0 +1,370 @@
+"""Training entry point: a flat YAML recipe in, a fine-tuned model out, documents packed without contamination.
+
+    python -m llm_packing.train --config recipes/tiny-cpu.yaml
+    accelerate launch -m llm_packing.train --config recipes/tiny-cpu.yaml
+    llm-packing train --config recipes/tiny-cpu.yaml --max_steps 5
+
+Each recipe key goes to the dataclass that has a field of that name: TRL's `SFTConfig` (training) and `ModelConfig`
+(model, LoRA), our [`ScriptArguments`] (data, tiny model) and [`~llm_packing.cli.arguments.PackingArguments`]. Flags
+on the
+command line override the recipe. Flow: tokenizer and model, documents tokenized with the chat template (labels -100
+outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, then
+[`~llm_packing.trainers.sft.PackedSFTTrainer`] (TRL's `SFTTrainer` for packed rows: `DataCollatorWithPacking`,
+`configure_packing` + `verify_packing`), train, save. Rank 0 tells what happens; `--help` lists the packing keys.
+"""
+
+import argparse
+import contextlib
+import difflib
+import json
+import logging
+import os
+import sys
+import textwrap
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+from transformers import TrainerCallback, set_seed
+from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config
+
+from ..batches.collator import DataCollatorWithPacking
+from ..core.checks import check_integer
+from ..data.pack import pack_dataset
+from ..errors import PackingValueError, UnsupportedSetupError
+from ..hook.configure import packing_configured
+from ..trainers.sft import PackedSFTTrainer
+from .arguments import PackingArguments
+from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents
+from .sample_reply import sample_reply
+from .startup import load_model, setup_logging
+
+
+logger = logging.getLogger("llm_packing.train")  # the name users know from `python -m llm_packing.train`
+
+
+@dataclass
+class PackedSFTConfig(SFTConfig):
+    """
+    TRL's `SFTConfig` minus the keys that [`~llm_packing.cli.arguments.PackingArguments`] owns (`packing_strategy`,
+    `padding_free`: same meaning, applied by `pack_dataset` and our collator). Here they stay off, as TRL would
+    otherwise pack or flatten the batches itself and refuse our collator.
+    """
+
+    packing_strategy: str = field(default="bfd", init=False)
+    padding_free: bool = field(default=False, init=False)
+
+
+@dataclass
+class ScriptArguments:
+    """
+    The data and, for recipes without a checkpoint, the randomly initialised model to build.
+
+    Args:
+        dataset_name (`str`, *optional*, defaults to `"chitchat"`):
+            A hub dataset, a local `.json`/`.jsonl`/`.parquet`/`.csv` file or dataset folder, or `"chitchat"` (the
+            built-in demo conversations, see [`~llm_packing.demo.chitchat.load_chitchat_conversations`]).
+        dataset_config (`str`, *optional*):
+            Configuration name of a hub dataset.
+        dataset_train_split (`str`, *optional*, defaults to `"train"`):
+            Split to train on.
+        dataset_messages_field (`str`, *optional*, defaults to `"messages"`):
+            Column of chat messages, tokenized with the chat template. Without it, `dataset_text_field` (an
+            `SFTConfig` key) is tokenized as plain text.
+        max_samples (`int`, *optional*):
+            Train on the first this many examples only.
+        tokenizer_name_or_path (`str`, *optional*):
+            Tokenizer to load; defaults to `model_name_or_path`. `"demo"` is Mistral-7B's tokenizer with an `[INST]`
+            chat template, read from the `mistral-common` package.
+        model_config (`dict` or `str`, *optional*):
+            Build a randomly initialised model from this config (a mapping, or JSON on the command line) instead of
+            loading `model_name_or_path`: `model_type` (default `"llama"`) and that config class's keys;
+            `vocab_size` defaults to the tokenizer's.
+        sample_prompt (`str`, *optional*):
+            Log the model's greedy reply to this prompt before and after training.
+    """
+
+    dataset_name: str = field(
+        default="chitchat",
+        metadata={"help": "Hub dataset, local json/jsonl/parquet/csv file or folder, or 'chitchat' (built-in demo)."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of a hub dataset."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_messages_field: str = field(
+        default="messages", metadata={"help": "Column of chat messages, tokenized with the chat template."}
+    )
+    max_samples: int | None = field(default=None, metadata={"help": "Train on the first this many examples only."})
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer to load (defaults to model_name_or_path); 'demo' is the built-in Mistral one."},
+    )
+    model_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "Config of a randomly initialised model (mapping in YAML, JSON on the command line)."},
+    )
+    sample_prompt: str | None = field(
+        default=None, metadata={"help": "Log the model's greedy reply to this prompt before and after training."},
+    )
+    trainer: str = field(
+        default="sft",
+        metadata={"help": "sft (packed documents), or dpo / grpo: TRL's DPOTrainer / GRPOTrainer with their forwards "
+                          "packed, taking DPOConfig / GRPOConfig keys (see llm_packing.cli.train_preference).",
+                  "choices": ["sft", "dpo", "grpo"]},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.model_config, str):
+            try:
+                self.model_config = json.loads(self.model_config)
+            except json.JSONDecodeError as error:
+                raise PackingValueError(
+                    f"`model_config` must be a mapping (JSON on the command line), got {self.model_config!r}: {error}."
+                ) from None
+        if self.model_config is not None and not isinstance(self.model_config, dict):
+            raise PackingValueError(f"`model_config` must be a mapping of config keys, got {self.model_config!r}.")
+        check_integer("max_samples", self.max_samples, optional=True,
+                      fix="Write `max_samples: null` in the recipe to train on every example.")
+
+
+def make_parser(trainer: str = "sft"):
+    """The `TrlParser` for recipes: `ScriptArguments`, `PackedSFTConfig` (or `trainer`'s TRL config), `ModelConfig`,
+    `PackingArguments`."""
+    from .train_preference import TRAINING_CONFIGS
+
+    training_config = TRAINING_CONFIGS.get(trainer, PackedSFTConfig)
+    # No abbreviated flags, so that a typo is reported rather than matched to some other option.
+    parser = TrlParser((ScriptArguments, training_config, ModelConfig, PackingArguments), allow_abbrev=False,
+                       prog=_prog())
+    for action in parser._actions:  # HfArgumentParser gives `--no_X` the help of `--X` and "(default: False)"
+        if action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help, action.default = f"Same as `--{action.dest} false`.", argparse.SUPPRESS
+    return parser
+
+
+def parse_args(argv: list[str] | None = None):
+    """
+    Parse `--config recipe.yaml` and command-line flags (which override the recipe) into the four dataclasses.
+
+    Returns:
+        `tuple`: `(ScriptArguments, SFTConfig, ModelConfig, PackingArguments)`.
+
+    Raises:
+        `PackingValueError`: a recipe key or flag that no dataclass has (naming the closest valid one), a recipe that
+            is not a mapping, or a combination this entry point cannot train.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--config=path` as `--config path`, the only form TrlParser reads.
+    argv = [part for token in argv for part in (token.split("=", 1) if token.startswith("--config=") else [token])]
+    parser = make_parser(_trainer_name(argv))
+    valid_keys = sorted({action.dest for action in parser._actions} - {"help"})
+    if "--help_all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    if "-h" in argv or "--help" in argv:
+        print(short_help(parser))
+        raise SystemExit(0)
+    path = _config_path(argv)
+    if path is not None:
+        with open(path, encoding="utf-8") as file:
+            try:
+                recipe = yaml.safe_load(file)  # plain data only: no tags that construct Python objects
+            except yaml.YAMLError as error:
+                raise PackingValueError(f"The recipe {path!r} is not valid YAML: {error}") from None
+        if not isinstance(recipe, dict):
+            raise PackingValueError(f"The recipe {path!r} must be a YAML mapping of `key: value`, got {recipe!r}.")
+        for key in recipe:
+            if key != "env" and key not in valid_keys:
+                raise PackingValueError(f"Unknown key {key!r} in {path!r}{_did_you_mean(key, valid_keys)}")
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag != "--config" and flag not in parser._option_string_actions:
+            raise PackingValueError(f"Unknown flag {flag!r}{_did_you_mean(flag[2:].replace('-', '_'), valid_keys)}")
+    script_args, training_args, model_args, packing_args = parser.parse_args_and_config(argv)
+    _check_supported(script_args, training_args, model_args)
+    check_dataset_name(script_args.dataset_name)  # before minutes of model loading, not after
+    return script_args, training_args, model_args, packing_args
+
+
+def _prog() -> str:
+    return "llm-packing train" if os.path.basename(sys.argv[0]) == "llm-packing" else "python -m llm_packing.train"
+
+
+def short_help(parser) -> str:
+    """`--help`: the recipe flag, the packing and data keys, and where the other keys come from."""
+    lines = [f"usage: {_prog()} --config RECIPE.yaml [--KEY VALUE ...]", "",
+             "Fine-tune a causal LM on packed documents: no attention across documents, positions restarting per "
+             "document.", "Every recipe key is also a flag (`--max_steps 5`); flags override the recipe.", "",
+             "  --config PATH", "      A YAML recipe of `key: value` lines, e.g. recipes/tiny-cpu.yaml."]
+    for title, dataclass_type in (("packing keys", PackingArguments), ("data keys", ScriptArguments)):
+        lines += ["", f"{title}:"]
+        if dataclass_type is PackingArguments:
+            lines += ["  --max_length INT (an SFTConfig key)", "      Tokens per packed row."]
+        for name, item in dataclass_type.__dataclass_fields__.items():
+            choices = item.metadata.get("choices")
+            value = "{" + ",".join(choices) + "}" if choices else type(item.default).__name__.upper()
+            shown = str(item.default).lower() if isinstance(item.default, bool) else item.default
+            default = "" if item.default is None else f" (default: {shown})"
+            lines += [f"  --{name} {value if item.default is not None else 'VALUE'}",
+                      textwrap.fill(item.metadata.get("help", "") + default, 110, initial_indent=" " * 6,
+                                    subsequent_indent=" " * 6)]
+    count = len({action.dest for action in parser._actions} - {"help"})
+    lines += ["", textwrap.fill(
+        "All other keys are those of TRL's SFTConfig (training: output_dir, learning_rate, max_steps, "
+        "per_device_train_batch_size, ...) and ModelConfig (model: model_name_or_path, attn_implementation, dtype, "
+        f"use_peft, lora_r, ...), with the meanings TRL documents. `--help_all` lists all {count} keys. "
+        "`llm-packing stats` shows how a dataset packs before training.", 116)]
+    return "\n".join(lines)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config":
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise PackingValueError("`--config` needs a recipe path, e.g. `--config recipes/tiny-cpu.yaml`.")
+            return argv[i + 1]
+    return None
+
+
+def _trainer_name(argv: list[str]) -> str:
+    """The `trainer` of the flags, else of the recipe: it decides which TRL config parses the other keys."""
+    for i, token in enumerate(argv[:-1]):
+        if token == "--trainer":
+            return argv[i + 1]
+    path = _config_path(argv)
+    if path is None:
+        return "sft"
+    with open(path, encoding="utf-8") as file:
+        with contextlib.suppress(yaml.YAMLError):
+            recipe = yaml.safe_load(file)
+            return recipe.get("trainer", "sft") if isinstance(recipe, dict) else "sft"
+    return "sft"
+
+
+def _did_you_mean(key: str, valid_keys: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid_keys, n=1)
+    hint = f": did you mean {close[0]!r}?" if close else "."
+    return (f"{hint} Valid keys are the fields of ScriptArguments, SFTConfig, ModelConfig and PackingArguments; "
+            f"`{_prog()} --help_all` lists them.")
+
+
+def _check_supported(script_args, training_args, model_args) -> None:
+    if getattr(training_args, "packing", False):
+        raise PackingValueError(
+            "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
+            "`block_diag_attn: true` (the default) to pack with per-document attention."
+        )
+    if getattr(training_args, "max_length", 0) is None:  # GRPOConfig has no max_length: one packed row per batch
+        raise PackingValueError("`max_length` must be a positive integer (tokens per packed row), got None.")
+    if (model_args.model_name_or_path is None) == (script_args.model_config is None):
+        raise PackingValueError(
+            f"Give exactly one of `model_name_or_path` (got {model_args.model_name_or_path!r}) and `model_config` "
+            f"(got {script_args.model_config!r}): a checkpoint to fine-tune, or a config for a randomly initialised "
+            "model."
+        )
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise UnsupportedSetupError(
+            "`load_in_4bit` / `load_in_8bit` are not supported by `llm_packing.train` yet: quantized loading is "
+            "untested with the packing hook. Use `use_peft: true` on an unquantized model."
+        )
+
+
+def main(argv: list[str] | None = None):
+    """Parse the recipe and flags in `argv` (default `sys.argv[1:]`) and train; returns the `TrainOutput`."""
+    arguments = parse_args(argv)
+    if arguments[0].trainer != "sft":
+        from .train_preference import train_preference
+
+        return train_preference(*arguments)
+    return train(*arguments)
+
+
+def train(script_args, training_args, model_args, packing_args):
+    """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
+    setup_logging(training_args)
+    set_seed(training_args.seed)  # a randomly initialised model is the same on every rank and every run
+    tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                               revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                               chat_template_path=training_args.chat_template_path)
+    model = load_model(script_args, model_args, training_args, tokenizer)
+    with training_args.main_process_first(desc="tokenizing and packing"):
+        documents = load_documents(script_args.dataset_name, config=script_args.dataset_config,
+                                   split=script_args.dataset_train_split, max_samples=script_args.max_samples)
+        documents = tokenize_documents(documents, tokenizer, messages_field=script_args.dataset_messages_field,
+                                       text_field=training_args.dataset_text_field,
+                                       assistant_only_loss=training_args.assistant_only_loss,
+                                       num_proc=training_args.dataset_num_proc)
+        # Unpacked training is the same pipeline with one document per row, so both see the same documents.
+        max_docs_per_bin = packing_args.max_docs_per_bin if packing_args.block_diag_attn else 1
+        rows, stats = pack_dataset(documents, training_args.max_length, strategy=packing_args.packing_strategy,
+                                   seed=packing_args.packing_seed, overflow=packing_args.overflow,
+                                   max_docs_per_bin=max_docs_per_bin, num_proc=training_args.dataset_num_proc,
+                                   return_stats=True)
+    layout = ("padding-free" if packing_args.padding_free
+              else "indexed mask" if packing_args.block_diag_attn else "unpacked")
+    # pack_dataset has logged the stats (on rank 0 only, see `_setup_logging`).
+    logger.info("attention backend %r; layout %s; %d documents in %d rows", model.config._attn_implementation, layout,
+                len(documents), len(rows))
+    _warn_if_mostly_split(stats, len(documents), training_args.max_length)
+    # Unhooked on exit, unless the caller had configured packing already.
+    hook = (packing_configured(model, attention_route=packing_args.attention_route) if packing_args.block_diag_attn
+            else contextlib.nullcontext())
+    with hook:
+        collator = DataCollatorWithPacking(pad_token_id=tokenizer.pad_token_id, max_length=training_args.max_length,
+                                           pad_to_multiple_of=training_args.pad_to_multiple_of,
+                                           padding_free=packing_args.padding_free)
+        # `assistant_only_loss` was applied when tokenizing; TRL would check for raw conversations, which we replaced.
+        training_args.assistant_only_loss = False
+        counter = _BatchCounter()
+        trainer = PackedSFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
+                                   processing_class=tokenizer, peft_config=get_peft_config(model_args),
+                                   callbacks=[counter], verify_packing=packing_args.verify_packing)
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "before training")
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "after training")
+        batches = trainer.accelerator.gather(torch.tensor([counter.batches], device=trainer.args.device)).tolist()
+        trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        logger.info("trained %d optimizer steps on %s batches (per rank); %s; mean loss over the run %.4f",
+                    trainer.state.global_step, batches, _last_logged_loss(trainer.state.log_history),
+                    result.training_loss)
+        saved = ", ".join(sorted(os.listdir(training_args.output_dir)))
+        logger.info("model saved to %s (%s): the final model is always saved there; `save_strategy` only sets "
+                    "checkpoints during training", os.path.abspath(training_args.output_dir), saved)
+    return result
+
+
+def _last_logged_loss(log_history: list[dict]) -> str:
+    logged = [entry for entry in log_history if "loss" in entry]
+    if not logged:
+        return "no loss logged (`logging_steps` is more than the steps run)"
+    return f"last logged loss {logged[-1]['loss']:.4f} (step {logged[-1]['step']})"
+
+
+def _warn_if_mostly_split(stats, num_documents: int, max_length: int) -> None:
+    documents = num_documents - stats.empty_sequences
+    if stats.split_sequences * 2 > documents:
+        logger.warning(
+            "%d of %d documents are longer than max_length %d and were split into pieces trained as separate "
+            "documents, each without the context before it. Raise `--max_length` (`llm-packing stats --max_length N` "
+            "shows how documents fit), or set `--overflow drop` or `truncate`.", stats.split_sequences, documents,
+            max_length,
+        )
+
+
+def _log_sample_reply(prompt, model, tokenizer, when) -> None:
+    if prompt is not None:
+        logger.info("%s, reply to %r: %r", when, prompt, sample_reply(model, tokenizer, prompt))
+
+
+class _BatchCounter(TrainerCallback):
+    """Counts the micro-batches this rank trained on (one per substep and one per optimizer step)."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.batches += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.batches += 1
+

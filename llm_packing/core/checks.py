@@ -1,0 +1,55 @@
+"""Checks of scalar arguments, one wording per kind, so that every entry point refuses a bad count or seed alike."""
+
+import numpy as np
+
+from ..errors import PackingValueError
+
+
+def check_integer(name: str, value, *, minimum: int = 1, optional: bool = False, meaning: str | None = None,
+                  fix: str | None = None) -> None:
+    """
+    Raise [`~llm_packing.errors.PackingValueError`] unless `value` is an integer (not a bool) of at least `minimum`,
+    or `None` when `optional`. The message names `name`, says what is allowed (and what the number counts, `meaning`),
+    shows `value`, then gives `fix`.
+
+    Example:
+    ```python
+    >>> check_integer("max_length", 8, meaning="tokens per packed row")
+    >>> check_integer("max_length", 0, meaning="tokens per packed row")
+    Traceback (most recent call last):
+    ...
+    llm_packing.errors.PackingValueError: `max_length` must be a positive integer (tokens per packed row), got 0.
+    >>> check_integer("seed", -1, minimum=0, optional=True)
+    Traceback (most recent call last):
+    ...
+    llm_packing.errors.PackingValueError: `seed` must be a non-negative integer or None, got -1.
+
+    ```
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= minimum:
+        return
+    allowed = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+    raise PackingValueError(
+        f"`{name}` must be {allowed}{' or None' if optional else ''}{f' ({meaning})' if meaning else ''}, got "
+        f"{value!r}.{f' {fix}' if fix else ''}"
+    )
+
+
+def check_choice(name: str, value, allowed: tuple, *, fix: str | None = None) -> None:
+    """
+    Raise [`~llm_packing.errors.PackingValueError`] unless `value` is one of `allowed`; the message names `name`,
+    lists `allowed`, shows `value`, then gives `fix`.
+
+    Example:
+    ```python
+    >>> check_choice("overflow", "wrap", ("error", "split"), fix="Use 'split'.")
+    Traceback (most recent call last):
+    ...
+    llm_packing.errors.PackingValueError: `overflow` must be one of ('error', 'split'), got 'wrap'. Use 'split'.
+
+    ```
+    """
+    if value not in allowed:
+        raise PackingValueError(f"`{name}` must be one of {tuple(allowed)}, got {value!r}.{f' {fix}' if fix else ''}")

@@ -1,0 +1,122 @@
+"""Over-long and empty sequences: what `pack_dataset` does with them before any bin is filled.
+
+Works on the lengths alone (numpy, vectorised): every sequence becomes zero or more *pieces*, each a slice
+`[start, start + length)` of one source sequence, with `0 < length <= max_length`. Empty sequences become no piece.
+"""
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from ..errors import SequenceTooLongError
+from .checks import check_choice, check_integer
+
+
+OverflowPolicy = Literal["error", "truncate", "split", "drop"]
+OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """
+    The slices of the source sequences that get packed, as parallel int64 arrays.
+
+    `source[i]` is the row the piece comes from, `start[i]` its first token within that row, `length[i]` its size.
+    The counts are the overflow fields of [`~llm_packing.core.stats.PackingStats`].
+    """
+
+    source: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    empty_sequences: int = 0
+    dropped_sequences: int = 0
+    dropped_tokens: int = 0
+    truncated_sequences: int = 0
+    truncated_tokens: int = 0
+    split_sequences: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """The overflow counts, as keyword arguments for `dataclasses.replace(stats, **counts)`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type is int}
+
+
+def check_overflow_policy(overflow: str) -> None:
+    check_choice("overflow", overflow, OVERFLOW_POLICIES, fix=(
+        "Use 'error' to be told about over-long sequences, 'truncate' to keep their first `max_length` tokens, "
+        "'split' to cut them into `max_length` chunks packed as separate documents, or 'drop' to leave them out."
+    ))
+
+
+def check_max_length(max_length: int) -> None:
+    check_integer("max_length", max_length, meaning="tokens per packed row")
+
+
+def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *, first_row: int = 0) -> Pieces:
+    """
+    Apply the `overflow` policy to sequence `lengths` and return the pieces to pack.
+
+    Args:
+        lengths (`np.ndarray`):
+            Token count of each source sequence.
+        max_length (`int`):
+            Capacity of a packed row.
+        overflow (`str`):
+            `"error"`, `"truncate"`, `"split"` or `"drop"` for sequences longer than `max_length`.
+        first_row (`int`, *optional*, defaults to `0`):
+            Row number of `lengths[0]` in the dataset, so that errors name the right row.
+
+    Returns:
+        [`Pieces`]: e.g. lengths `[5, 0, 2]` with `max_length=2` and `overflow="split"` give sources `[0, 0, 0, 2]`,
+        starts `[0, 2, 4, 0]` and lengths `[2, 2, 1, 2]`, with `empty_sequences=1` and `split_sequences=1`.
+
+    Example:
+    ```python
+    >>> import numpy as np
+    >>> pieces = cut_pieces(np.array([5, 0, 2]), 2, "split")
+    >>> pieces.source.tolist(), pieces.start.tolist(), pieces.length.tolist()
+    ([0, 0, 0, 2], [0, 2, 4, 0], [2, 2, 1, 2])
+    >>> pieces.counts()["split_sequences"], pieces.counts()["empty_sequences"]
+    (1, 1)
+
+    ```
+    """
+    check_overflow_policy(overflow)  # any other value would cut like "truncate" without counting it
+    lengths = np.asarray(lengths, dtype=np.int64)
+    too_long = lengths > max_length
+    num_too_long = int(too_long.sum())
+    counts = {"empty_sequences": int((lengths == 0).sum())}
+    if num_too_long and overflow == "error":
+        raise _too_long_error(lengths, max_length, num_too_long, first_row)
+    if overflow == "split" and num_too_long:
+        return _split(lengths, max_length, counts, num_too_long)
+    keep = lengths > 0
+    if overflow == "drop":
+        keep &= ~too_long
+        counts.update(dropped_sequences=num_too_long, dropped_tokens=int(lengths[too_long].sum()))
+    elif overflow == "truncate":
+        counts.update(
+            truncated_sequences=num_too_long, truncated_tokens=int(lengths[too_long].sum()) - num_too_long * max_length
+        )
+    source = np.flatnonzero(keep)
+    return Pieces(source, np.zeros_like(source), np.minimum(lengths[source], max_length), **counts)
+
+
+def _split(lengths: np.ndarray, max_length: int, counts: dict[str, int], num_too_long: int) -> Pieces:
+    # Chunk k of a sequence starts at k * max_length; ceil(0 / max_length) = 0 chunks drops empty sequences.
+    num_chunks = -(-lengths // max_length)
+    source = np.repeat(np.arange(len(lengths), dtype=np.int64), num_chunks)
+    first_chunk = np.cumsum(num_chunks) - num_chunks
+    start = (np.arange(len(source), dtype=np.int64) - np.repeat(first_chunk, num_chunks)) * max_length
+    length = np.minimum(lengths[source] - start, max_length)
+    return Pieces(source, start, length, split_sequences=num_too_long, **counts)
+
+
+def _too_long_error(lengths: np.ndarray, max_length: int, num_too_long: int, first_row: int) -> SequenceTooLongError:
+    longest = int(np.argmax(lengths))
+    return SequenceTooLongError(
+        f"{num_too_long} sequence(s) are longer than `max_length`={max_length}; the longest has {lengths[longest]} "
+        f"tokens (row {first_row + longest}). Raise `max_length` to at least {lengths[longest]}, or pass "
+        "`overflow='split'` (keeps every token, as separate documents), 'truncate' (keeps the first `max_length` "
+        "tokens) or 'drop'."
+    )

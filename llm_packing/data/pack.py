@@ -1,0 +1,415 @@
+"""`pack_dataset`: tokenized `datasets` in, packed rows out, with one global `pack_sequences` call per split.
+
+Lengths come from the Arrow list offsets; tokens are read where they lie (a memory-mapped dataset is never copied
+whole, see `token_columns.py`) and gathered with numpy, a bounded chunk of packed rows at a time under a progress
+bar, each chunk written to the `datasets` cache as it is done (see `packed_cache.py`). No Python loop over rows or
+documents, and no Python list of tokens. Over-long and empty sequences follow `overflow` (see `overflow.py`) and what
+was cut is counted in the stats.
+"""
+
+import dataclasses
+import logging
+import os
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from datasets.utils.tqdm import tqdm
+
+from ..core.binpack import pack_sequences, seed_from_components
+from ..core.checks import check_integer
+from ..core.locality import local_order
+from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from ..core.rows import MASK_COLUMNS, segment_aranges
+from ..errors import PackingError, PackingTypeError, PackingValueError
+from ._io.gather import write_rows
+from ._io.gather_processes import row_ranges, write_in_processes
+from ._io.packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
+from ._io.resident_pages import ResidentPages
+from ._io.token_columns import TokenColumn, ValueChecks, row_windows
+from .metadata import record_packing
+
+
+__all__ = ["PackedDatasetEpochs", "pack_dataset"]
+
+logger = logging.getLogger(__name__)
+
+_GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
+_LABELS_WINDOW = 1 << 22  # tokens compared at a time when deciding whether to store labels: 32 MiB of indices
+# Tokens per group read in input order (see `gather.py`), gathered into one of two buffers: a 48th of the tokens
+# packed, from 8M to 32M (two buffers of 32 to 128 MiB of ids). Larger groups map less of the input again, but new
+# buffer memory costs a page fault per page: 1M memory-mapped rows (407M tokens) packed in 1.70 s with groups of 8M
+# tokens against 2.09 s with 32M, and 10M rows in 18.8 s with 32M against 21.4 s with 8M.
+_GROUP_TOKENS = 1 << 25
+_MIN_GROUP_TOKENS = 1 << 23
+_GROUPS = 48
+_MAX_LIST_OFFSET = np.iinfo(np.int32).max  # past this many tokens, a column needs 64-bit (large_list) offsets
+
+
+def pack_dataset(
+    dataset,
+    max_length: int,
+    *,
+    strategy: str = "bfd",
+    seed: int | None = None,
+    overflow: OverflowPolicy = "error",
+    max_docs_per_bin: int | None = None,
+    return_position_ids: bool = False,
+    keep_in_memory: bool = False,
+    cache_file_name: str | None = None,
+    load_from_cache_file: bool | None = None,
+    buffer_size: int = 10_000,
+    num_proc: int | None = None,
+    return_stats: bool = False,
+):
+    """
+    Pack a tokenized dataset into rows of at most `max_length` tokens, each document kept whole and separate.
+
+    Every split is packed at once (one `pack_sequences` call over all its documents, not per `map` batch). Columns
+    other than `input_ids`, `labels`, `completion_mask` and `assistant_masks` are dropped: a packed row has no single
+    value for a per-example column. Rows come out roughly in input order (see `locality.py`; with a `seed`, in a
+    random order); the Trainer's sampler shuffles them.
+    Like `Dataset.map`, the rows are written to an Arrow file beside the input's cache files and memory-mapped, and
+    a second call with the same input and options loads that file instead of packing again; an in-memory input keeps
+    its packed rows in memory.
+    Collate them with [`~llm_packing.batches.collator.DataCollatorWithPacking`] (after `configure_packing(model)`) or
+    TRL's
+    `padding_free=True` collator; TRL's default padding collator ignores `seq_lengths` and lets documents attend to
+    each other.
+
+    Args:
+        dataset ([`~datasets.Dataset`], [`~datasets.DatasetDict`], [`~datasets.IterableDataset`] or
+        [`~datasets.IterableDatasetDict`]):
+            Tokenized examples with an `input_ids` column (lists of non-negative integers) and optionally `labels`
+            (same lengths; -100 = not trained on) and TRL's `completion_mask` / `assistant_masks` (same lengths; the
+            labels of tokens where they are 0 become -100). Without `labels`, the labels are the `input_ids`.
+        max_length (`int`):
+            Tokens per packed row.
+        strategy (`str`, *optional*, defaults to `"bfd"`):
+            Packing strategy of [`~llm_packing.core.binpack.pack_sequences`].
+        seed (`int`, *optional*):
+            Shuffles the pairing of documents among bins of the same shape; see [`PackedDatasetEpochs`] for one
+            packing per epoch.
+        overflow (`str`, *optional*, defaults to `"error"`):
+            Sequences longer than `max_length`: `"error"` raises [`~llm_packing.errors.SequenceTooLongError`],
+            `"truncate"` keeps their first `max_length` tokens, `"split"` cuts them into `max_length` chunks packed as
+            separate documents (each chunk restarts its positions), `"drop"` leaves them out. Empty sequences are
+            always dropped. The counts are in the stats.
+        max_docs_per_bin (`int`, *optional*):
+            Cap on documents per row (e.g. to bound FlashAttention's `cu_seqlens`).
+        return_position_ids (`bool`, *optional*, defaults to `False`):
+            Also store `position_ids` (restarting at 0 per document), for a collator that does not derive them from
+            `seq_lengths` as ours and TRL's `padding_free=True` one do.
+        keep_in_memory (`bool`, *optional*, defaults to `False`):
+            Keep the packed rows in memory instead of writing them to a cache file.
+        cache_file_name (`str`, *optional*):
+            The cache file to write (and to load if it exists), as in `Dataset.map`; a `Dataset` only.
+        load_from_cache_file (`bool`, *optional*):
+            Load an existing cache file instead of packing again; defaults to `datasets.is_caching_enabled()`.
+        buffer_size (`int`, *optional*, defaults to `10000`):
+            Streaming only: sequences packed together; see [`~llm_packing.data.streaming.pack_iterable_dataset`].
+        num_proc (`int`, *optional*):
+            Processes that gather and write the packed rows of a split written to a cache file, each a contiguous
+            share of the rows into a shard file named as `Dataset.map(num_proc=...)` names them; the plan is made
+            once, and the shards hold the same rows as one process would write (a later call loads them whatever
+            its `num_proc`). Rows kept in memory are gathered in this process. Needs the `fork` start method.
+        return_stats (`bool`, *optional*, defaults to `False`):
+            Also return the [`~llm_packing.core.stats.PackingStats`] (a `dict` of them, by split, for a `DatasetDict`).
+            The stats are logged on the `llm_packing` logger either way.
+
+    Returns:
+        The packed dataset (same container type), or `(packed, stats)` with `return_stats=True`. Columns, all
+        `int32` lists: `input_ids`, `labels` only where they say more than the collator derives (a `labels` or mask
+        column that leaves out some token other than a document's first), `position_ids` only when asked, and
+        `seq_lengths`. Without `labels`, a collator takes the `input_ids` with -100 on each document's first token
+        (so that no document is trained to predict the next one's start); streamed rows always carry `labels`.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> from llm_packing.data.pack import pack_dataset
+    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]})
+    >>> pack_dataset(ds, 4)[:]
+    {'input_ids': [[1, 2, 3, 6], [4, 5]], 'seq_lengths': [[3, 1], [2]]}
+    >>> pack_dataset(ds, 4, return_position_ids=True)[:]["position_ids"]
+    [[0, 1, 2, 0], [0, 1]]
+
+    ```
+    """
+    check_max_length(max_length)
+    check_overflow_policy(overflow)
+    check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
+    options = {"strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        if return_stats:
+            raise PackingValueError(
+                "`return_stats=True` needs a map-style dataset, got a streaming one: its stats are only known once it "
+                "has been iterated, and are logged on the `llm_packing` logger then. Drop `return_stats`."
+            )
+        from .streaming import pack_iterable_dataset
+
+        options.update(overflow=overflow, buffer_size=buffer_size, return_position_ids=return_position_ids)
+        if isinstance(dataset, datasets.IterableDatasetDict):
+            return record_packing(datasets.IterableDatasetDict(
+                {split: pack_iterable_dataset(ds, max_length, **options) for split, ds in dataset.items()}
+            ), max_length)
+        return record_packing(pack_iterable_dataset(dataset, max_length, **options), max_length)
+    options["return_position_ids"] = return_position_ids
+    storage = {"keep_in_memory": keep_in_memory, "cache_file_name": cache_file_name,
+                   "load_from_cache_file": load_from_cache_file}
+    if isinstance(dataset, datasets.DatasetDict):
+        if cache_file_name is not None:
+            raise PackingValueError(
+                f"`cache_file_name`={cache_file_name!r} names one file, but a DatasetDict has a packed dataset per "
+                "split. Pack each split on its own (`pack_dataset(splits['train'], ..., cache_file_name=...)`), or "
+                "leave the names to the datasets cache."
+            )
+        packed = {}
+        for split, ds in dataset.items():
+            try:
+                packed[split] = _pack_split(ds, max_length, overflow, options, storage, num_proc=num_proc)
+            except PackingError as error:  # same type, so `except SequenceTooLongError` still works
+                raise type(error)(f"Split {split!r}: {error}") from error
+        result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
+        stats = {split: split_stats for split, (_, split_stats) in packed.items()}
+    elif isinstance(dataset, datasets.Dataset):
+        result, stats = _pack_split(dataset, max_length, overflow, options, storage, num_proc=num_proc)
+    else:
+        raise PackingTypeError(
+            f"`dataset` must be a datasets Dataset, DatasetDict, IterableDataset or IterableDatasetDict, got "
+            f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
+        )
+    return (result, stats) if return_stats else result
+
+
+def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None):
+    """One split packed (or loaded from the cache), formatted like its input; `documents` if already read."""
+    target = destination(dataset, dict(max_length=max_length, overflow=overflow, **options), **storage)
+    cached = load_cached(target, dataset.split)
+    if cached is None:
+        documents = documents or _Documents(dataset, max_length, overflow)
+        packed, stats = documents.pack(target, dataset.split, num_proc=num_proc, **options)
+    else:
+        packed, stats = cached
+    split = dataset.split
+    logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
+    return record_packing(packed.with_format(dataset.format["type"]), max_length), stats
+
+
+class PackedDatasetEpochs:
+    """
+    One packing per epoch of the same documents: lengths and token buffers are read once, `repack(epoch)` pairs the
+    documents anew (seed derived from `seed` and `epoch`).
+
+    The bins' shapes (the multiset of `seq_lengths` per row) depend on the lengths only, so every epoch has the same
+    rows up to which documents of equal length fill them. Hand each epoch's dataset to its own `trainer.train()` (or
+    concatenate several epochs and train one epoch over them): a Trainer builds its dataloader once per `train()`.
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            As for [`pack_dataset`].
+        max_length (`int`):
+            Tokens per packed row.
+        seed (`int`, *optional*, defaults to `0`):
+            Base seed; epoch `e` packs with `seed_from_components(seed, e)`.
+        strategy, overflow, max_docs_per_bin, return_position_ids, keep_in_memory, load_from_cache_file:
+            As for [`pack_dataset`]; each epoch has its own cache file.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> from llm_packing.data.pack import PackedDatasetEpochs
+    >>> epochs = PackedDatasetEpochs(Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5]]}), 3)
+    >>> sorted(epochs.repack(0)["seq_lengths"]) == sorted(epochs.repack(1)["seq_lengths"])
+    True
+
+    ```
+    """
+
+    def __init__(
+        self,
+        dataset: datasets.Dataset,
+        max_length: int,
+        *,
+        seed: int = 0,
+        strategy: str = "bfd",
+        overflow: OverflowPolicy = "error",
+        max_docs_per_bin: int | None = None,
+        return_position_ids: bool = False,
+        keep_in_memory: bool = False,
+        load_from_cache_file: bool | None = None,
+    ):
+        check_max_length(max_length)
+        check_overflow_policy(overflow)
+        if not isinstance(dataset, datasets.Dataset):
+            raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+        self._dataset, self._max_length, self._overflow = dataset, max_length, overflow
+        self._documents = _Documents(dataset, max_length, overflow)
+        self._options = {"strategy": strategy, "max_docs_per_bin": max_docs_per_bin,
+                             "return_position_ids": return_position_ids}
+        self._storage = {"keep_in_memory": keep_in_memory, "cache_file_name": None,
+                             "load_from_cache_file": load_from_cache_file}
+        self._seed = seed
+        self.stats = None  # PackingStats of the last `repack`
+
+    def repack(self, epoch: int) -> datasets.Dataset:
+        """The packed dataset for `epoch`; its stats are in `self.stats` afterwards."""
+        options = dict(seed=seed_from_components(self._seed, epoch), **self._options)
+        packed, self.stats = _pack_split(self._dataset, self._max_length, self._overflow, options, self._storage,
+                                         documents=self._documents)
+        return packed
+
+
+class _Documents:
+    """The token columns of one split, read in place, and the pieces of them that get packed."""
+
+    def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
+        # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
+        rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        # The whole table behind a mapping is checked: a bad value may be in a row left out, and an error must name
+        # the row as the caller counts it. Then the picked rows alone are checked again (gathered: rare). With no
+        # rows, `data.table` may still hold every row behind the mapping.
+        self._picked_rows = None if rows is None else (
+            lambda: dataset.with_format("arrow")[:] if len(dataset) else dataset.data.table.slice(0, 0))
+        try:
+            self._read(dataset.data.table, rows)
+        except PackingError:
+            if rows is None:
+                raise
+            self._read_picked_rows()
+        try:
+            self.pieces = cut_pieces(self.input_ids.lengths, max_length, overflow)
+        except PackingError:
+            self.raise_bad_values()  # a bad value is reported before an over-long row, as when checked first
+            raise
+        self.max_length = max_length
+        # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
+        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(
+            self.input_ids, [column for column in (self.labels, *self.masks) if column], self.pages)
+
+    def raise_bad_values(self, wait: bool = True) -> None:
+        """Raise the error of a failed value check (they run on a thread, see `ValueChecks`); with `wait=False`,
+        only of the checks done so far."""
+        try:
+            self._checks.raise_failed(wait)
+        except PackingError:
+            if self._picked_rows is None:
+                raise
+            self._read_picked_rows()
+            self._checks.raise_failed()
+
+    def _read_picked_rows(self) -> None:
+        picked_rows, self._picked_rows = self._picked_rows, None
+        self._read(picked_rows(), None)
+
+    def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
+        """The token columns of `table`, their lengths checked (their values on a thread), then narrowed to `rows`
+        if given."""
+        if "input_ids" not in table.column_names:
+            raise PackingValueError(
+                f"`dataset` has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
+                "`dataset.map(lambda ex: tokenizer(ex['text']))`."
+            )
+        self.pages = ResidentPages(table)  # documents are read all over a memory-mapped input: bound what stays mapped
+        self._checks = ValueChecks()
+        try:
+            self.input_ids = TokenColumn(table, "input_ids", pages=self.pages, checks=self._checks)
+            lengths = self.input_ids.lengths
+            self.labels = TokenColumn(table, "labels", lengths, self.pages, self._checks) \
+                if "labels" in table.column_names else None
+            self.masks = [TokenColumn(table, name, lengths, self.pages, self._checks) for name in MASK_COLUMNS
+                          if name in table.column_names]
+        except PackingError:
+            self._checks.raise_failed()  # an earlier column's bad value first, as when checked in turn
+            raise
+        if rows is not None:
+            for column in (self.input_ids, self.labels, *self.masks):
+                if column is not None:
+                    column.select(rows)
+
+    def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids, num_proc=None):
+        plan = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
+                              max_docs_per_bin=max_docs_per_bin)
+        stats = dataclasses.replace(plan.stats, **self.pieces.counts())
+        if seed is None and strategy != "nf":  # a seed asks for random pairings; next-fit already follows the input
+            addresses = self.input_ids.row_start[self.pieces.source] + self.pieces.start
+            order, bin_offsets = local_order(plan.order, plan.bin_offsets, self.pieces.length, addresses)
+            plan = dataclasses.replace(plan, order=order, bin_offsets=bin_offsets)
+        num_tokens = int(self.pieces.length.sum())
+        schema = self._schema(num_tokens, return_position_ids)
+        with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
+            if num_proc and num_proc > 1 and target.path is not None and len(plan.bin_offsets) > 2:
+                return self._write_shards(plan, target, schema, stats, num_proc, progress, split), stats
+            writer = PackedWriter(target, schema, stats)
+            try:
+                self._write(plan.order, plan.bin_offsets, writer, progress)
+                self.raise_bad_values()
+            except BaseException:
+                writer.abort()
+                raise
+        return writer.finish(split), stats
+
+    def _write_shards(self, plan, target, schema, stats, num_proc, progress, split) -> datasets.Dataset:
+        """The rows gathered and written by `num_proc` forked processes, a contiguous share each (see
+        `gather_processes.py`)."""
+        self.raise_bad_values()  # before forking: the checks' thread is not copied into the processes
+        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order])])
+        ranges = row_ranges(np.diff(doc_start[plan.bin_offsets]), num_proc)
+        paths = shard_paths(target.path, len(ranges))
+
+        def write_part(first, last, path, part_progress):
+            self.pages.restart()
+            offsets = plan.bin_offsets[first : last + 1]
+            writer = PackedWriter(Destination(path, target.fingerprint, False), schema, stats)
+            try:
+                self._write(plan.order[offsets[0] : offsets[-1]], offsets - offsets[0], writer, part_progress)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+
+        write_in_processes(write_part, ranges, paths, progress)
+        if os.path.exists(target.path):  # an older single file would be loaded before these shards
+            os.remove(target.path)
+        return load_files(paths, split, target.fingerprint)
+
+    def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
+        tokens = datasets.Value("int32")
+        token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)
+        names = ["input_ids", *(["labels"] if self.keeps_labels else []),
+                 *(["position_ids"] if return_position_ids else [])]
+        features = datasets.Features({**dict.fromkeys(names, token_list), "seq_lengths": datasets.List(tokens)})
+        return features.arrow_schema
+
+    def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter, progress) -> None:
+        """Gather the packed rows (see `gather.py`), advancing `progress`, and hand them to `writer`."""
+        group_tokens = min(max(int(self.pieces.length[order].sum()) // _GROUPS, _MIN_GROUP_TOKENS), _GROUP_TOKENS)
+        write_rows(dict(self._columns()), self.pieces, order, bin_offsets, writer, progress,
+                   chunk_tokens=_GATHER_CHUNK, group_tokens=group_tokens, pages=self.pages,
+                   between_groups=lambda: self.raise_bad_values(wait=False))
+
+    def _columns(self):
+        """The columns read when gathering, by name."""
+        stored = [self.input_ids, *([self.labels, *self.masks] if self.keeps_labels else [])]
+        return [(column.name, column) for column in stored if column is not None]
+
+
+def _labels_say_more(input_ids: TokenColumn, others: list[TokenColumn], pages: ResidentPages) -> bool:
+    """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
+    collator's labels (the ids, -100 at each document start) are the same and none are stored."""
+    for first, last in row_windows(input_ids.lengths, _LABELS_WINDOW):
+        lengths = input_ids.lengths[first:last]
+        rows = np.flatnonzero(lengths) + first
+        if not len(rows):
+            continue
+        lengths = lengths[lengths > 0]
+        ids = input_ids.take(segment_aranges(input_ids.row_start[rows], lengths))
+        differs = np.zeros(len(ids), bool)
+        for column in others:
+            values = column.take(segment_aranges(column.row_start[rows], lengths))
+            differs |= (values != ids) if column.name == "labels" else (values == 0)
+        pages.check()
+        differs[np.cumsum(lengths) - lengths] = False
+        if differs.any():
+            return True
+    return False

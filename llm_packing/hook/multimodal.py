@@ -1,0 +1,75 @@
+"""Multimodal checkpoints fine-tuned on text: finding the language model's support entry, and refusing media inputs
+in a packed batch.
+
+`AutoModelForCausalLM` builds some multimodal checkpoints as the whole wrapper (`gemma3` gives
+`Gemma3ForConditionalGeneration`, config `gemma3`) and others as the bare language model (`mllama` gives
+`MllamaForCausalLM`, whose config is the text config `mllama_text_model`). Text-only batches of both go through the
+same mask builders as any decoder, so the hook isolates them. Images, video or audio in a packed row would need
+per-document vision positions and image blocks that the hook does not build, so a packed forward carrying them is
+refused.
+"""
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedSetupError
+from .masks import is_indexed_packed_mask
+
+
+# Forward arguments that carry media (pixel_values, pixel_values_videos, image_sizes, input_features,
+# cross_attention_states, ...), and config fields naming the placeholder tokens that media replace.
+_MEDIA_ARGUMENT_WORDS = ("pixel", "image", "video", "audio", "input_features", "cross_attention")
+_MEDIA_TOKEN_FIELDS = tuple(
+    f"{kind}_token_{suffix}" for kind in ("image", "video", "audio") for suffix in ("id", "index")
+)
+
+_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}  # id(model) -> its forward pre-hook
+
+
+def media_argument_names(model) -> tuple[str, ...]:
+    """The arguments of `model.forward` that carry images, video or audio (empty for a text-only model)."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    return tuple(name for name in parameters if any(word in name for word in _MEDIA_ARGUMENT_WORDS))
+
+
+def guard_media_inputs(model) -> None:
+    """Make packed forwards of `model` refuse media inputs, if its forward takes any; undone by
+    [`remove_media_guards`]. Idempotent."""
+    if not isinstance(model, torch.nn.Module) or id(model) in _guards:
+        return
+    names = media_argument_names(model)
+    config = getattr(model, "config", None)
+    token_ids = sorted(
+        {value for field in _MEDIA_TOKEN_FIELDS if isinstance(value := getattr(config, field, None), int)}
+    )
+    if names or token_ids:
+        hook = functools.partial(_refuse_media_in_packed_batch, names=names, token_ids=token_ids)
+        _guards[id(model)] = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def remove_media_guards() -> None:
+    """Remove every hook [`guard_media_inputs`] registered."""
+    for handle in _guards.values():
+        handle.remove()
+    _guards.clear()
+
+
+def _refuse_media_in_packed_batch(module, args, kwargs, *, names, token_ids):
+    attention_mask = kwargs.get("attention_mask")
+    if not is_indexed_packed_mask(attention_mask):
+        return
+    given = [name for name in names if kwargs.get(name) is not None]
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(input_ids, torch.Tensor) and token_ids:
+        placeholders = torch.isin(input_ids, torch.tensor(token_ids, device=input_ids.device))
+        if bool(placeholders.any()):
+            given.append(f"input_ids holding media placeholder tokens {token_ids}")
+    if given:
+        raise UnsupportedSetupError(
+            f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with media inputs: "
+            f"{', '.join(given)}. Packing isolates text-only documents; images, video and audio are not packed yet. "
+            "Train multimodal rows without packing, or pack only text-only rows."
+        )

@@ -1,0 +1,225 @@
+"""Which causal LM architectures the packing hook isolates exactly, and why the others are refused.
+
+The candidates come from the installed transformers: every model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` whose
+modeling module builds its attention mask through `create_causal_mask`, `create_sliding_window_causal_mask` or
+`create_chunked_causal_mask` (the builders the hook replaces), found by reading the source text, not importing it.
+A candidate is supported only if it is also in `VERIFIED_MODEL_TYPES` (`llm_packing/hook/support/table.py`, the
+hand-kept table), the architectures the parity matrix (`tests/test_parity.py`) proved exact: packed logits equal
+separate-document logits within 1e-5 in float32. Anything else is refused with the reason in `REFUSED_MODEL_TYPES`
+(fail closed: a new architecture in a newer transformers is refused until the matrix covers it).
+
+Regenerate the support table with `python -m llm_packing.hook.support.matrix > docs/support_matrix.md`.
+"""
+
+import functools
+import importlib.util
+import os
+import re
+
+from ..._compat import MASK_BUILDER_NAMES
+from ...errors import UnsupportedSetupError
+from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
+from .table import REFUSED_BACKENDS, REFUSED_CANDIDATES, SDPA_DENSE_MODEL_TYPES, VERIFIED_MODEL_TYPES
+
+
+# Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
+# conv, recurrent, ...) keeps a state across the whole row and would leak one document into the next.
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
+)
+# Backends the parity matrix runs on CPU. FlashAttention goes through tests/test_flash_path.py's reference kernel:
+# every
+# supported architecture on flash_attention_2, the sample `FLASH_ATTENTION_3_RUN` on flash_attention_3 (the same
+# transformers code path); the table marks the other flash_attention_3 cells as inferred.
+MATRIX_BACKENDS = ("eager", "sdpa", "flex_attention")
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+FLASH_ATTENTION_3_RUN = ("llama", "qwen2", "gemma2", "gpt_oss", "falcon")  # plain, sliding, softcap, sinks, own class
+# The model-class flag with which transformers declares a backend (building a model without it raises ValueError).
+_BACKEND_FLAGS = {
+    "eager": None,
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
+
+# Source text that marks layers with a state across the row: the recurrent-mask builder, or a non-attention layer kind.
+_HYBRID_MARKERS = ("create_recurrent_attention_mask", '"linear_attention"', '"mamba"', '"recurrent"')
+
+
+@functools.cache
+def _transformers_models_dir() -> str:
+    spec = importlib.util.find_spec("transformers.models")
+    return os.path.dirname(spec.origin)
+
+
+@functools.cache
+def _modeling_source(model_type: str) -> str | None:
+    """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    class_name = _causal_lm_classes().get(model_type)
+    if class_name is None:
+        return None
+    definition = re.compile(rf"^class {re.escape(class_name)}\(", re.MULTILINE)
+    models_dir = _transformers_models_dir()
+    directory = os.path.join(models_dir, model_type_to_module_name(model_type))
+    # A few types reuse another architecture's class (internlm3 -> LlamaForCausalLM): fall back to every directory.
+    for folder in [directory] + sorted(os.path.join(models_dir, name) for name in os.listdir(models_dir)):
+        if not os.path.isdir(folder):
+            continue
+        for file_name in sorted(os.listdir(folder)):
+            if file_name.startswith("modeling_") and file_name.endswith(".py"):
+                with open(os.path.join(folder, file_name), encoding="utf-8") as handle:
+                    source = handle.read()
+                if definition.search(source):
+                    return source
+    return None
+
+
+def _scan_reason(model_type: str) -> str | None:
+    """Why the source scan rules `model_type` out, or None if it is a candidate."""
+    if model_type not in _causal_lm_classes():
+        return "not a causal LM in the installed transformers (no entry in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
+    source = _modeling_source(model_type)
+    if source is None:
+        return f"the modeling module of {_causal_lm_classes()[model_type]} was not found"
+    isolated_mixers = model_type in _mixer_model_types()
+    if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
+        return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
+    # Mixers take the 2-D mask as the model hands it to them (llm_packing.hook.mixers re-batches); pure SSMs build no
+    # other.
+    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES):
+        return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
+    return None
+
+
+def _mixer_model_types():
+    from ..mixers import MIXERS
+
+    return MIXERS.keys()
+
+
+@functools.cache
+def candidate_model_types() -> tuple[str, ...]:
+    """Causal LM types of the installed transformers whose masks go through the builders the hook replaces."""
+    return tuple(sorted(t for t in _causal_lm_classes() if _scan_reason(t) is None))
+
+
+@functools.cache
+def supported_model_types() -> tuple[str, ...]:
+    """
+    The model types whose packed batches the hook isolates exactly: candidates of the installed transformers that
+    the parity matrix proved.
+
+    Example:
+    ```python
+    >>> from llm_packing.hook.support.architectures import supported_model_types
+    >>> "llama" in supported_model_types(), "openai-gpt" in supported_model_types()
+    (True, False)
+
+    ```
+    """
+    return tuple(sorted(t for t in VERIFIED_MODEL_TYPES if _scan_reason(t) is None))
+
+
+def refusal_reason(model_type: str) -> str | None:
+    """Why `model_type` is refused, or None if it is supported."""
+    if model_type in REFUSED_CANDIDATES:
+        return REFUSED_CANDIDATES[model_type]
+    reason = _scan_reason(model_type)
+    if reason is None and model_type not in VERIFIED_MODEL_TYPES:
+        reason = "not verified by llm_packing's parity matrix for this transformers version"
+    return reason
+
+
+@functools.cache
+def _refused_model_types() -> dict[str, str]:
+    refused = {t: reason for t in _causal_lm_classes() if (reason := refusal_reason(t)) is not None}
+    refused.update(REFUSED_CANDIDATES)
+    return dict(sorted(refused.items()))
+
+
+def __getattr__(name: str):
+    # `REFUSED_MODEL_TYPES` is computed on first use, so importing this module reads no transformers source.
+    if name == "REFUSED_MODEL_TYPES":
+        return _refused_model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def non_attention_layer_types(config) -> list[str]:
+    """
+    The entries of `config.layer_types` (and of a nested `text_config`) that are not attention layers: each one keeps
+    a state across the whole packed row.
+
+    Example:
+    ```python
+    >>> from types import SimpleNamespace
+    >>> from llm_packing.hook.support.architectures import non_attention_layer_types
+    >>> non_attention_layer_types(SimpleNamespace(layer_types=["linear_attention", "full_attention", "conv"]))
+    ['conv', 'linear_attention']
+
+    ```
+    """
+    kinds = set()
+    for part in (config, getattr(config, "text_config", None)):
+        kinds.update(getattr(part, "layer_types", None) or ())
+    return sorted(kinds - ATTENTION_LAYER_TYPES)
+
+
+def require_supported(config) -> None:
+    """
+    Raise [`UnsupportedSetupError`] unless packed batches of this architecture are isolated exactly.
+
+    Args:
+        config ([`~transformers.PretrainedConfig`]):
+            The model's config; its `model_type` (for the text config of a multimodal model, the causal LM type of
+            its package: `mllama_text_model` -> `mllama`) and `layer_types` are checked.
+
+    Raises:
+        `UnsupportedSetupError`: the model type is not in [`supported_model_types`], or its `layer_types` holds
+            non-attention layers (linear attention, mamba, conv, ...). The message names the type and the reason.
+    """
+    model_type = causal_lm_model_type(config)
+    reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
+    backend = getattr(config, "_attn_implementation", None)
+    if reason is None and (model_type, backend) in REFUSED_BACKENDS:
+        reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
+    if reason is None and model_type not in _mixer_model_types() and (stateful := non_attention_layer_types(config)):
+        reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
+    if reason is None:
+        return
+    raise UnsupportedSetupError(
+        f"Packing cannot isolate documents for model_type {model_type!r}: {reason}. Supported model types: "
+        f"{', '.join(supported_model_types())}. Use one of them, or train this model without packing (padding each "
+        "document on its own row)."
+    )
+
+
+def sdpa_route(config) -> tuple[str, str | None]:
+    """`("varlen", None)` if packed sdpa batches of this config take the varlen route, else `("dense", reason)`."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SDPA_DENSE_MODEL_TYPES:
+        return "dense", SDPA_DENSE_MODEL_TYPES[model_type]
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "dense", "attention logit softcapping, which SDPA cannot apply"
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "index_topk", None) is not None:
+        return "dense", "its sparse key indexer reads the dense mask itself"
+    return "varlen", None
+
+
+def _causal_lm_class(model_type: str):
+    import transformers
+
+    return getattr(transformers, _causal_lm_classes()[model_type])
+
+
+def backend_available(model_type: str, backend: str) -> bool:
+    """Whether transformers itself offers `backend` for `model_type`'s causal LM class (imports that class)."""
+    flag = _BACKEND_FLAGS[backend]
+    return flag is None or bool(getattr(_causal_lm_class(model_type), flag, False))
+
+
+if __name__ == "__main__":
+    print("\n".join(supported_model_types()))

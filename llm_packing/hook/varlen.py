@@ -1,0 +1,326 @@
+"""The varlen route: per-document attention on sdpa without an `L x L` mask.
+
+On sdpa the patched mask builders hand every attention layer a [`PackedAttentionMask`] instead of transformers' dense
+`(batch, 1, length, length)` packed mask. It holds the document layout of the batch, built once per forward from the
+indexed mask: documents grouped into a few length buckets, with the gather indices that pull each bucket's tokens out
+of the flattened batch. The sdpa attention function (replaced in `ALL_ATTENTION_FUNCTIONS` while packing is
+configured) then runs, per layer:
+- on CUDA in float16/bfloat16, torch's own `torch.nn.attention.varlen.varlen_attn` over every document in one call;
+- otherwise one `scaled_dot_product_attention` call per bucket (`is_causal=True`, no mask for full attention), so
+  attention costs the sum of each document's own `l^2` and memory stays linear in tokens.
+Sliding windows are a band mask per bucket (only for buckets longer than the window); chunked attention cuts every
+document into chunk-sized pieces, each attended causally. What SDPA cannot express (softcapping, attention sinks,
+position biases) keeps the dense route: see `llm_packing.hook.support.architectures.sdpa_route`.
+"""
+
+import weakref
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..core.checks import check_choice
+from ..errors import UnsupportedSetupError
+from .masks import document_spans
+
+
+ROUTES = ("auto", "varlen", "dense")
+# Documents of a bucket are padded to its longest one: a bucket takes documents down to 1/BUCKET_RATIO of that length,
+# so a document's padding costs at most 36% of its bucket slot's attention FLOPs, while lengths from 32 to 32,768
+# tokens fall into at most 32 buckets (SDPA calls per layer).
+BUCKET_RATIO = 1.25
+# Documents this short share one bucket whatever their lengths: per-call overhead outweighs their padding.
+SMALLEST_BUCKET = 32
+
+
+@dataclass(frozen=True, eq=False)
+class PackedAttentionMask:
+    """
+    Document layout of a packed batch, handed to every attention layer in place of a dense mask.
+
+    Build it with [`PackedAttentionMask.from_indexed_mask`]. Attributes: `batch_size`, `length`, `buckets` (per
+    bucket an `(n, bucket_length)` long tensor of flat token positions; positions past a document's end repeat its
+    last token and are never attended, as causal attention only looks back), `source` (positions of real tokens in the
+    concatenated, flattened bucket outputs), `destination` (their flat positions in the batch; `destination` lists
+    each document's tokens together, in the order of `cu_seqlens`), `cu_seqlens` (int32), `max_seqlen`, `window`
+    (sliding window in tokens or `None`).
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.varlen import PackedAttentionMask
+    >>> layout = PackedAttentionMask.from_indexed_mask(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]))
+    >>> [bucket.tolist() for bucket in layout.buckets]
+    [[[2, 3, 4], [9, 10, 11], [0, 1, 1], [7, 8, 8], [6, 6, 6]]]
+    >>> layout.cu_seqlens
+    tensor([ 0,  3,  6,  8, 10, 11], dtype=torch.int32)
+
+    ```
+    """
+
+    batch_size: int
+    length: int
+    buckets: tuple[torch.Tensor, ...]
+    source: torch.Tensor
+    destination: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window: int | None = None
+
+    @classmethod
+    def from_indexed_mask(cls, attention_mask: torch.Tensor, *, window: int | None = None, chunk: int | None = None):
+        """
+        The layout of an indexed mask (`[1, 1, 2, 2, 2, 0]`; validated by the caller).
+
+        Args:
+            attention_mask (`torch.Tensor`): indexed mask of shape `(batch_size, length)`.
+            window (`int`, *optional*): sliding window; a token attends to the `window` latest tokens of its document,
+                itself included (transformers' `sliding_window`).
+            chunk (`int`, *optional*): attention chunk size; documents are cut into pieces of `chunk` tokens that
+                attend only within themselves (transformers' `attention_chunk_size`).
+        """
+        batch_size, length = attention_mask.shape
+        starts, lengths = document_spans(attention_mask)
+        if chunk is not None:
+            starts, lengths = _cut_into_chunks(starts, lengths, chunk)
+        order = np.argsort(-lengths, kind="stable")
+        starts, lengths = starts[order], lengths[order]
+        buckets, sources, destinations, offset = [], [], [], 0
+        for first, last in _bucket_bounds(lengths):
+            bucket_length = int(lengths[first])
+            steps = np.arange(bucket_length)
+            span_lengths = lengths[first:last, None]
+            buckets.append(starts[first:last, None] + np.minimum(steps, span_lengths - 1))
+            real = steps < span_lengths
+            sources.append(offset + np.flatnonzero(real))
+            destinations.append(buckets[-1][real])
+            offset += real.size
+        device = attention_mask.device
+
+        def to_device(array):
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+        return cls(
+            batch_size=batch_size,
+            length=length,
+            buckets=tuple(to_device(bucket) for bucket in buckets),
+            source=to_device(np.concatenate(sources) if sources else np.zeros(0)),
+            destination=to_device(np.concatenate(destinations) if destinations else np.zeros(0)),
+            cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(device),
+            max_seqlen=int(lengths.max(initial=0)),
+            window=window,
+        )
+
+
+def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    pieces = -(-lengths // chunk)
+    document = np.repeat(np.arange(len(lengths)), pieces)
+    index = np.arange(len(document)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return starts[document] + index * chunk, np.minimum(lengths[document] - index * chunk, chunk)
+
+
+def _bucket_bounds(descending_lengths: np.ndarray) -> list[tuple[int, int]]:
+    """`(first, last)` index ranges of the buckets over lengths sorted longest first."""
+    bounds, first = [], 0
+    while first < len(descending_lengths):
+        longest = descending_lengths[first]
+        floor = 0 if longest <= SMALLEST_BUCKET else longest / BUCKET_RATIO
+        # Lengths are descending: count those strictly above the floor.
+        last = first + int(np.searchsorted(-descending_lengths[first:], -floor, side="left"))
+        bounds.append((first, max(last, first + 1)))
+        first = bounds[-1][1]
+    return bounds
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: PackedAttentionMask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """
+    Per-document causal attention of `query` `(batch, heads, length, dim)` against `key`/`value`
+    `(batch, kv_heads, length, dim)`; returns `(batch, length, heads, value_dim)`, zeros on padding.
+    """
+    _refuse_inexpressible(module, kwargs)
+    batch_size, heads, length, _ = query.shape
+    if key.shape[2] != length:
+        raise UnsupportedSetupError(
+            f"The varlen route needs keys for exactly the packed tokens, got {key.shape[2]} keys for {length} queries "
+            "(a KV cache?). Train packed batches with `use_cache=False`, or `configure_packing(model, "
+            "attention_route='dense')`."
+        )
+    flat = [tensor.transpose(1, 2).reshape(batch_size * length, tensor.shape[1], tensor.shape[3])
+            for tensor in (query, key, value)]
+    if _use_torch_varlen(query, key, value, dropout):
+        tokens = [tensor.index_select(0, mask.destination) for tensor in flat]
+        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
+        output = varlen_attn(
+            *tokens, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+            scale=scaling, window_size=window, enable_gqa=heads != key.shape[1],
+        )
+    else:
+        output = torch.cat([
+            _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
+        ]).index_select(0, mask.source)
+    result = flat[2].new_zeros(batch_size * length, heads, value.shape[3]).index_copy(0, mask.destination, output)
+    return result.view(batch_size, length, heads, value.shape[3])
+
+
+def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: float, scaling: float | None):
+    """SDPA over one bucket's documents side by side: `(n, bucket_length, heads, value_dim)`."""
+    documents, bucket_length = bucket.shape
+    # index_select, not `tensor[bucket]`: its backward is a dense index_add instead of an accumulating index_put
+    # (1-3% of the attention call on CPU).
+    query, key, value = (
+        tensor.index_select(0, bucket.flatten()).view(documents, bucket_length, *tensor.shape[1:]).transpose(1, 2)
+        for tensor in flat
+    )
+    mask = None
+    if window is not None and bucket_length > window:
+        steps = torch.arange(bucket_length, device=bucket.device)
+        distance = steps[:, None] - steps[None, :]
+        mask = (distance >= 0) & (distance < window)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2)
+
+
+def _use_torch_varlen(query, key, value, dropout: float) -> bool:
+    """torch's varlen kernel is FlashAttention: CUDA, half precision, no dropout, equal head dims up to 256."""
+    return (
+        query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256
+    )
+
+
+def varlen_attn(*args, **kwargs):
+    """torch's `torch.nn.attention.varlen.varlen_attn`, imported when first used (CUDA only)."""
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+
+    return torch_varlen_attn(*args, **kwargs)
+
+
+def _refuse_inexpressible(module, kwargs) -> None:
+    """Per-layer features SDPA cannot add to a per-document call: fail closed instead of dropping them."""
+    present = [name for name in ("softcap", "s_aux", "sinks", "position_bias") if kwargs.get(name) is not None]
+    is_causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        present.append("is_causal=False")
+    if present:
+        raise UnsupportedSetupError(
+            f"{type(module).__name__} passes {', '.join(present)} to sdpa, which the varlen route cannot express. "
+            "Use `configure_packing(model, attention_route='dense')` (or `attention_route: dense` in the recipe)."
+        )
+
+
+class _LastLayouts:
+    """The layouts of the last indexed mask seen: the full, sliding and chunked builders of one forward share them,
+    and a new (or modified) mask starts afresh."""
+
+    def __init__(self):
+        self._mask_ref, self._version, self._layouts = None, None, {}
+
+    def get(self, attention_mask: torch.Tensor, chunk: int | None) -> PackedAttentionMask:
+        if (self._mask_ref is None or self._mask_ref() is not attention_mask
+                or self._version != attention_mask._version):
+            self._mask_ref, self._version, self._layouts = weakref.ref(attention_mask), attention_mask._version, {}
+        if chunk not in self._layouts:
+            self._layouts[chunk] = PackedAttentionMask.from_indexed_mask(attention_mask, chunk=chunk)
+        return self._layouts[chunk]
+
+
+_last_layouts = _LastLayouts()
+
+
+def packed_attention_mask(attention_mask: torch.Tensor, *, window=None, chunk=None) -> PackedAttentionMask:
+    """The [`PackedAttentionMask`] of a validated indexed mask for one mask type (full, sliding `window`, `chunk`)."""
+    layout = _last_layouts.get(attention_mask, chunk)
+    return layout if window is None else replace(layout, window=window)
+
+
+_route = "auto"  # set by `configure_packing(..., attention_route=...)`, process-wide like the rest of the hook
+_original_sdpa_forward = None
+
+
+def check_route(attention_route, config) -> None:
+    """Validate `attention_route` for this model (raises before anything is patched), then make it the route;
+    `None` keeps the current one."""
+    global _route
+    from .support.architectures import sdpa_route
+
+    if attention_route is None:
+        attention_route = _route
+
+    check_choice("attention_route", attention_route, ROUTES, fix=(
+        "'auto' takes the varlen route on sdpa where the architecture allows it, 'dense' forces transformers' dense "
+        "mask."
+    ))
+    backend = getattr(config, "_attn_implementation", None)
+    if attention_route == "varlen":
+        route, reason = sdpa_route(config)
+        if backend != "sdpa" or route != "varlen":
+            raise UnsupportedSetupError(
+                f"`attention_route='varlen'` needs the sdpa backend and an architecture it can express; model_type "
+                f"{config.model_type!r} on {backend!r}: "
+                f"{reason or 'the varlen route runs on sdpa only (FlashAttention is varlen already)'}. Use "
+                "`attention_route='auto'`, or `attn_implementation='sdpa'`."
+            )
+    _route = attention_route
+
+
+def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.Tensor) -> PackedAttentionMask | None:
+    """What a patched sdpa mask builder returns for a validated indexed mask: its [`PackedAttentionMask`], or `None`
+    where the dense route must build the mask (route forced dense, an architecture or an extra mask function that
+    SDPA per document cannot express)."""
+    from .support.architectures import sdpa_route
+
+    config = arguments["config"]
+    if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
+        return None
+    extra_masks = ("or_mask_function", "and_mask_function", "block_sequence_ids")
+    if any(arguments.get(name) is not None for name in extra_masks):
+        return None
+    if builder_name == "create_sliding_window_causal_mask":
+        return packed_attention_mask(attention_mask, window=config.sliding_window)
+    if builder_name == "create_chunked_causal_mask":
+        return packed_attention_mask(attention_mask, chunk=config.attention_chunk_size)
+    return packed_attention_mask(attention_mask)
+
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' `sdpa_attention_forward`, except that a [`PackedAttentionMask`] takes the varlen route."""
+    if isinstance(attention_mask, PackedAttentionMask):
+        output = packed_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return output, None
+    return _original_sdpa_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def install() -> None:
+    """Route sdpa attention through [`sdpa_attention_forward`] (`ALL_ATTENTION_FUNCTIONS`, where every model looks
+    its backend up at each forward)."""
+    global _original_sdpa_forward
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    if mapping.get("sdpa") is sdpa_attention.sdpa_attention_forward:
+        _original_sdpa_forward = mapping["sdpa"]
+        mapping["sdpa"] = sdpa_attention_forward
+
+
+def uninstall() -> None:
+    global _route
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa") is sdpa_attention_forward:
+        ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = _original_sdpa_forward
+    _route = "auto"
