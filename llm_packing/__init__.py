@@ -27,7 +27,8 @@ _EXPORTS = {
          "PackingValueError", "SequenceTooLongError", "UnsupportedSetupError"),
         "errors",
     ),
-    **dict.fromkeys(("get_seqlens_in_batch", "get_unpad_data", "is_indexed_packed_mask"), "hook.masks"),
+    **dict.fromkeys(("get_seqlens_in_batch", "get_unpad_data"), "hook.documents"),
+    "is_indexed_packed_mask": "hook.masks",
     **dict.fromkeys(
         ("configure_packing", "is_packing_configured", "packing_configured", "unconfigure_packing"), "hook.configure"
     ),
@@ -89,11 +90,8 @@ if TYPE_CHECKING:
         packing_configured as packing_configured,
         unconfigure_packing as unconfigure_packing,
     )
-    from .hook.masks import (
-        get_seqlens_in_batch as get_seqlens_in_batch,
-        get_unpad_data as get_unpad_data,
-        is_indexed_packed_mask as is_indexed_packed_mask,
-    )
+    from .hook.documents import get_seqlens_in_batch as get_seqlens_in_batch, get_unpad_data as get_unpad_data
+    from .hook.masks import is_indexed_packed_mask as is_indexed_packed_mask
     from .hook.support.architectures import supported_model_types as supported_model_types
     from .hook.verify import verify_packing as verify_packing
     from .trainers.dpo import PackedDPOTrainer as PackedDPOTrainer

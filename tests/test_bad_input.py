@@ -42,13 +42,13 @@ from llm_packing import (
     is_packing_configured,
     pack_dataset,
     pack_sequences,
-    patch,
     unconfigure_packing,
     verify_packing,
 )
 from llm_packing._compat import MASK_BUILDER_NAMES
 from llm_packing.batches import collator as collator_module
 from llm_packing.data import pack as dataset_module
+from llm_packing.hook import builders
 from llm_packing.hook.mixers import MIXERS
 
 
@@ -560,12 +560,12 @@ class TestResourceBounds:
         model.config._attn_implementation = backend
         configure_packing(model, attention_route="dense")  # sdpa's default varlen route builds no dense mask
         size = 2 * 6 * 6 * element_size  # batch x length^2 x bytes per element (bool for sdpa, float32 for eager)
-        monkeypatch.setattr(patch, "_warned_dense_mask", False)
-        monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", size)
+        monkeypatch.setattr(builders, "_warned_dense_mask", False)
+        monkeypatch.setattr(builders, "DENSE_MASK_WARNING_BYTES", size)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error")
             model(**PACKED, use_cache=False)  # at the bound: no warning
-        monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", size - 1)
+        monkeypatch.setattr(builders, "DENSE_MASK_WARNING_BYTES", size - 1)
         with torch.no_grad(), pytest.warns(UserWarning, match=rf"packed {backend} attention mask .* \(2, 6\)"):
             model(**PACKED, use_cache=False)
         with torch.no_grad(), warnings.catch_warnings():
@@ -607,7 +607,7 @@ PEAK_MEMORY_PROBE = """
 import json, resource
 import numpy as np, torch
 from llm_packing.batches.collator import DataCollatorWithPacking
-from llm_packing.hook.masks import get_unpad_data
+from llm_packing.hook.documents import get_unpad_data
 
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))

@@ -1,5 +1,6 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -279,7 +280,7 @@ class TestCache:
         sent = [(a, b) for a, b, _ in advised if a in starts]
         assert sent == list(zip(starts, starts[1:] + [end], strict=True))
         dropped = [(a, b) for a, b, _ in advised if (a, b) not in sent]
-        assert dropped[0][0] == 0 and all(b == a for (_, b), (a, _) in zip(dropped, dropped[1:], strict=True))
+        assert dropped[0][0] == 0 and all(b == a for (_, b), (a, _) in itertools.pairwise(dropped))
         assert dropped[-1][1] == starts[-1] - 4096
         assert (tmp_path / "packed.arrow").stat().st_size == end + 8
 

@@ -19,7 +19,7 @@ from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 
 from llm_packing import verify_packing
 from llm_packing.errors import ContaminationError, UnsupportedSetupError
-from llm_packing.hook import mixers
+from llm_packing.hook import documents, mixers, registry
 from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
 from llm_packing.hook.mixers import MIXERS, DocumentBatches
 
@@ -148,7 +148,7 @@ def test_unconfigure_restores_every_mixer_forward(model_type):
         unconfigure_packing()
     assert [cls.forward for cls in mixers.mixer_classes(model_type)] + [cls.__call__ for cls in recorders] == originals
     assert not any("__call__" in vars(cls) for cls in recorders)
-    assert not mixers._originals and not mixers._recorders
+    assert not registry.is_active()
 
 
 def test_mixer_missing_from_the_table_is_refused(monkeypatch):
@@ -156,7 +156,7 @@ def test_mixer_missing_from_the_table_is_refused(monkeypatch):
     monkeypatch.setitem(MIXERS, "qwen3_5_text", ("qwen3_5", {}))
     with pytest.raises(UnsupportedSetupError, match="Qwen3_5GatedDeltaNet.*does not isolate"):
         configure_packing(model)
-    assert not mixers._originals
+    assert not registry.is_active()
 
 
 def test_short_convolution_without_a_conv1d_missing_from_the_table_is_refused(monkeypatch):
@@ -167,7 +167,7 @@ def test_short_convolution_without_a_conv1d_missing_from_the_table_is_refused(mo
     monkeypatch.setitem(MIXERS, "inkling2_text", (module_name, static_only))
     with pytest.raises(UnsupportedSetupError, match="Inkling2DynamicShortConvolution.*does not isolate"):
         configure_packing(model)
-    assert not mixers._originals
+    assert not registry.is_active()
 
 
 def test_documents_read_from_position_ids_shared_by_every_row():
@@ -194,7 +194,7 @@ def test_every_mixer_of_a_layer_is_needed(model_type, mixer):
     batch = packed_batch()
     with packing_configured(model):
         cls = next(cls for cls in mixers.mixer_classes(model_type) if cls.__name__ == mixer)
-        cls.forward = mixers._originals[cls]  # this one left on the packed row; unconfiguring restores it anyway
+        cls.forward = cls.forward.__wrapped__  # this one left on the packed row; unconfiguring finds it in place
         logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
     assert logit_difference > 10 * TOLERANCE
 
@@ -208,7 +208,8 @@ def test_verify_packing_catches_a_mixer_leak(model_type):
     model = tiny_model(model_type, "eager" if model_type in _NO_SDPA else "sdpa")
     with packing_configured(model):
         assert verify_packing(model) <= TOLERANCE
-        mixers.unpatch_mixers()
+        for cls in mixers.mixer_classes(model_type):
+            cls.forward = cls.forward.__wrapped__
         with pytest.raises(ContaminationError, match=model_type):
             verify_packing(model)
 
@@ -268,10 +269,12 @@ def test_gradients_through_checkpointed_mixers_equal_separate_documents(model_ty
 @pytest.mark.parametrize("model_type", ["rwkv", "xlstm"])
 def test_unpacked_batches_still_checkpoint_the_wrapped_blocks(model_type):
     """transformers checkpoints a layer only when the layer's class `forward` is its own wrapper; the hook replaced
-    it, so a plain batch through a configured model is checkpointed by the hook's wrapper instead."""
+    it, so a plain batch through a configured model is checkpointed by the hook's wrapper instead. (A configured model
+    trains only batches that say where documents start: one document per row, with its `position_ids`.)"""
     model, calls = _checkpointed_model(model_type, use_reentrant=False)
     with packing_configured(model):
-        model(input_ids=torch.arange(1, 9)[None], use_cache=False).logits.sum().backward()
+        model(input_ids=torch.arange(1, 9)[None], position_ids=torch.arange(8)[None], use_cache=False).logits.sum(
+        ).backward()
     blocks = [module for module in model.modules() if isinstance(module, tuple(mixers.mixer_classes(model_type)))]
     assert len(calls) == len(blocks) > 0
 
@@ -299,20 +302,20 @@ def test_layout_follows_the_mask_of_each_forward_and_thread():
         assert _max_differences(model, first, attention_mask=first["attention_mask"])[0] <= TOLERANCE
         assert _max_differences(model, second, attention_mask=second["attention_mask"])[0] <= TOLERANCE
         mask = torch.tensor([[1, 1, 1, 2, 2, 2]])
-        assert [g.shape for g in mixers._layout(mask).gather] == [torch.Size([2, 3])]
+        assert [g.tolist() for g in mixers._document_batches(mask).gather] == [[[0, 1, 2], [3, 4, 5]]]
         mask[0, 2] = 2
-        assert [g.shape for g in mixers._layout(mask).gather] == [torch.Size([1, 4]), torch.Size([1, 2])]
+        assert [g.tolist() for g in mixers._document_batches(mask).gather] == [[[2, 3, 4, 5], [0, 1, 6, 6]]]
         seen = []
-        thread = threading.Thread(target=lambda: seen.append(mixers._last.layout))
+        thread = threading.Thread(target=lambda: seen.append(dict(documents._per_thread.states)))
         thread.start()
         thread.join()
-        assert seen == [None]
+        assert seen == [{}]
 
 
 def test_document_batches_group_by_length_and_zero_the_padding():
     layout = DocumentBatches.from_mask(torch.tensor([[1] * 9 + [2] * 2 + [0], [1, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0]]))
-    # Power-of-two buckets: 9 in (8, 16], 5 in (4, 8], 3 in (2, 4], then 2 and 1; no group is more than half padding.
-    assert [tuple(group.shape) for group in layout.gather] == [(1, 9), (1, 5), (1, 3), (1, 2), (1, 1)]
+    # Documents of up to 32 tokens share one call (the rule varlen attention groups by: `documents.bucket_bounds`).
+    assert [tuple(group.shape) for group in layout.gather] == [(5, 9)]
     states = torch.arange(24.0).view(2, 12, 1)
     assert torch.equal(layout.run(lambda x: x, states)[..., 0], torch.where(torch.tensor(
         [[1] * 11 + [0], [1] * 9 + [0] * 3]).bool(), states[..., 0], 0))

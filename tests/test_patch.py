@@ -5,6 +5,7 @@ import functools
 import importlib
 import os
 import sys
+import types
 import warnings
 
 import pytest
@@ -214,13 +215,78 @@ class TestRefusals:
         assert not _is_hook_wrapper(modeling_llama.create_causal_mask)
 
     def test_large_dense_mask_warns_once_with_the_linear_memory_alternative(self, model, monkeypatch):
-        from llm_packing.hook import configure as patch
+        from llm_packing.hook import builders
 
-        monkeypatch.setattr(patch, "DENSE_MASK_WARNING_BYTES", 2 * 6 * 6 - 1)
-        monkeypatch.setattr(patch, "_warned_dense_mask", False)
+        monkeypatch.setattr(builders, "DENSE_MASK_WARNING_BYTES", 2 * 6 * 6 - 1)
+        monkeypatch.setattr(builders, "_warned_dense_mask", False)
         configure_packing(model, attention_route="dense")  # the default varlen route builds no dense mask
         with torch.no_grad(), pytest.warns(UserWarning, match="flash_attention_2"):
             model(**PACKED, use_cache=False)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error")
             model(**PACKED, use_cache=False)
+
+
+def _every_binding(models) -> dict:
+    """Every name transformers binds (module attributes, attributes of the classes its modules define, the attention
+    and mask registries), and the forward pre-hooks of `models`' modules: key -> the object itself."""
+    from transformers import modeling_utils
+
+    bound = {}
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("transformers"):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType):  # a lazy package caches its submodules as they are first used
+                continue
+            bound[module_name, attribute] = value
+            if isinstance(value, type) and value.__module__ == module_name:
+                bound.update({(module_name, attribute, name): member for name, member in list(vars(value).items())})
+    registries = {
+        "attention": modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping,
+        "masks": masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
+        "layer patterns": masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING,
+    }
+    bound.update({(name, key): value for name, registry in registries.items() for key, value in registry.items()})
+    for index, model in enumerate(models):
+        for name, module in model.named_modules():
+            bound.update({("hooks", index, name, key): hook for key, hook in module._forward_pre_hooks.items()})
+    return bound
+
+
+def test_unconfigure_restores_every_rebound_name_and_the_registry_lists_them():
+    """Every kind of replacement at once: mask builders and unpad (llama), sdpa's function (varlen), hybrid mixers
+    (qwen3_5_text), a model's `__call__` (rwkv), ALiBi builders (bloom), media guards (gemma3) and the training-batch
+    guards. Afterwards every binding is the object it was before, and while configured, what changed is exactly
+    what the registry lists."""
+    from llm_packing.hook import registry
+
+    models = [tiny_model(t, b) for t, b in
+              (("llama", "sdpa"), ("qwen3_5_text", "sdpa"), ("rwkv", "eager"), ("bloom", "eager"), ("gemma3", "sdpa"))]
+    before = _every_binding(models)
+    for model in models:
+        configure_packing(model)
+    during = _every_binding(models)
+    changed = {key for key in before.keys() | during.keys() if before.get(key, None) is not during.get(key, None)}
+    listed = registry.replaced_objects()
+    unconfigure_packing()
+    after = _every_binding(models)
+    assert after.keys() == before.keys()
+    assert [key for key, value in before.items() if after[key] is not value] == []
+    assert {key[0] for key in changed} >= {"attention", "layer patterns", "hooks"}
+    assert {(id(owner), name) for owner, name in listed} == {_owner_and_name(key) for key in changed if key[0] != "hooks"}
+
+
+def _owner_and_name(key) -> tuple[int, str]:
+    """`(id(owner), name)` of a key of `_every_binding` (a module or class attribute, or a registry entry)."""
+    from transformers import modeling_utils
+
+    registries = {"attention": modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping,
+                  "masks": masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
+                  "layer patterns": masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING}
+    if key[0] in registries:
+        return id(registries[key[0]]), key[1]
+    owner = sys.modules[key[0]]
+    if len(key) == 3:
+        owner = getattr(owner, key[1])
+    return id(owner), key[-1]

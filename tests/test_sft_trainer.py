@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from trl import SFTConfig, SFTTrainer
 
 from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.errors import ContaminationError
 from llm_packing.data.pack import pack_dataset
 from llm_packing.hook.configure import configure_packing, unconfigure_packing
 
@@ -101,7 +102,29 @@ def test_packed_with_trl_padding_free_collator_matches_unpacked(tmp_path, attn_i
 
 def test_trl_default_collator_on_packed_rows_is_contaminated(tmp_path):
     # Negative control, and the reason to use one of the collators above: TRL's padding collator ignores
-    # `seq_lengths` and gives every row an all-ones mask, so packed documents attend to each other.
+    # `seq_lengths` and gives every row an all-ones mask, so packed documents attend to each other. Without
+    # `configure_packing` nothing can see it; a configured model refuses the batch (the test below).
     packed = pack_dataset(documents(), MAX_LENGTH)
     losses = train(tmp_path, "sdpa", packed, len(packed), packing=False, padding_free=False, max_length=None)
     assert abs(losses[0] - unpacked_losses(tmp_path, "sdpa")[0]) > 1e-3
+
+
+def test_stock_sft_trainer_on_a_configured_model_stops_before_the_first_step(tmp_path):
+    """The design card's literal line with stock TRL: `configure_packing(model)`, then
+    `trl.SFTTrainer(model=model, train_dataset=pack_dataset(...))` with TRL's defaults. TRL's collator sends an all-ones
+    mask and no `position_ids`, so the configured model refuses the first batch, naming the fix, and no weight
+    moves."""
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY))
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    configure_packing(model)
+    try:
+        args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=2)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=packed, processing_class=tokenizer())
+        with pytest.raises(ContaminationError, match="PackedSFTTrainer.*DataCollatorWithPacking"):
+            trainer.train()
+    finally:
+        unconfigure_packing()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -3,6 +3,7 @@ varlen kernel wrapper (through a CPU stand-in of the same signature), the route 
 architecture is tests/test_parity.py (route axis); memory is the slow test at the end."""
 
 import inspect
+import itertools
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from tiny_models import packed_batch, tiny_model
 
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
 from llm_packing.cli.arguments import PackingArguments
-from llm_packing.hook import masks, varlen
+from llm_packing.hook import documents, varlen
 from llm_packing.hook.varlen import PackedAttentionMask
 
 
@@ -25,7 +26,7 @@ INPUTS = ("input_ids", "attention_mask", "position_ids")
 def _flat_spans(layout):
     """(flat start, length) of every attended piece, from `destination` and `cu_seqlens`."""
     bounds = layout.cu_seqlens.tolist()
-    return sorted((int(layout.destination[a]), b - a) for a, b in zip(bounds, bounds[1:], strict=True))
+    return sorted((int(layout.destination[a]), b - a) for a, b in itertools.pairwise(bounds))
 
 
 class TestLayout:
@@ -40,7 +41,7 @@ class TestLayout:
         assert _flat_spans(layout) == [(0, 3), (3, 3), (6, 1), (7, 2), (10, 2), (12, 3), (15, 3), (18, 2)]
 
     def test_buckets_group_lengths_within_the_ratio(self, monkeypatch):
-        monkeypatch.setattr(varlen, "SMALLEST_BUCKET", 1)
+        monkeypatch.setattr(documents, "SMALLEST_BUCKET", 1)
         layout = PackedAttentionMask.from_indexed_mask(MASK)
         # Lengths 8 and 7 share a bucket (8 / 7 < 1.25); 2 and 2 share the next.
         assert [tuple(bucket.shape) for bucket in layout.buckets] == [(2, 8), (2, 2)]
@@ -87,7 +88,7 @@ def test_one_host_copy_of_the_mask_per_forward(monkeypatch, model_type):
     """The mask builders (qwen2: a sliding and a full one), the varlen layout and a hybrid's mixers (qwen3_5_text:
     gated delta nets) share one device-to-host copy of the mask and its positions per forward."""
     copies = []
-    monkeypatch.setattr(masks, "to_host", lambda tensor, _f=masks.to_host: copies.append(1) or _f(tensor))
+    monkeypatch.setattr(documents, "_to_host", lambda tensor, _f=documents._to_host: copies.append(1) or _f(tensor))
     sliding = {"layer_types": ["sliding_attention", "full_attention"]} if model_type == "qwen2" else {}
     model = tiny_model(model_type, "sdpa", **sliding)
     batch = packed_batch()
@@ -119,7 +120,7 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
         calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa))
         assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size[1] == 0
         outputs = []
-        for start, end in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:], strict=True):
+        for start, end in itertools.pairwise(cu_seq_q.tolist()):
             q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
             steps = torch.arange(end - start)
             band = steps[:, None] >= steps[None]

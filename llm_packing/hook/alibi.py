@@ -15,32 +15,25 @@ import importlib
 
 import torch
 
-from .masks import _is_integer_2d, document_position_ids, host_copy
+from . import registry
+from .documents import documents_of
+from .masks import document_position_ids, is_integer_mask
 
 
 # model_type -> modeling module whose module-level `build_alibi_tensor(attention_mask, num_heads, dtype)` the model
 # calls with its 2-D attention mask.
 ALIBI_MODULES = {"bloom": "bloom", "falcon": "falcon"}
 
-_originals: dict[object, object] = {}  # modeling module -> its original `build_alibi_tensor`
-
-
 def patch_alibi(model_type: str) -> None:
-    """Replace `build_alibi_tensor` in `model_type`'s modeling module, if it has one (idempotent)."""
+    """Replace `build_alibi_tensor` in `model_type`'s modeling module, if it has one (idempotent; restored through
+    the registry)."""
     if model_type not in ALIBI_MODULES:
         return
     name = ALIBI_MODULES[model_type]
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    if module not in _originals:
-        _originals[module] = module.build_alibi_tensor
-        module.build_alibi_tensor = _per_document(module.build_alibi_tensor)
-
-
-def unpatch_alibi() -> None:
-    """Restore every `build_alibi_tensor` that [`patch_alibi`] replaced."""
-    for module, original in _originals.items():
-        module.build_alibi_tensor = original
-    _originals.clear()
+    if not registry.is_ours(module.build_alibi_tensor):
+        per_document = registry.ours(_per_document(module.build_alibi_tensor))
+        registry.replace_attribute(module, "build_alibi_tensor", per_document)
 
 
 def _per_document(original):
@@ -60,7 +53,7 @@ def _per_document(original):
 
         ```
         """
-        if not _is_integer_2d(attention_mask) or host_copy(attention_mask)[0].max(initial=0) <= 1:
+        if not is_integer_mask(attention_mask) or not documents_of(attention_mask).is_packed:
             return original(attention_mask, num_heads, dtype)
         batch_size, length = attention_mask.shape
         # One row of ones: the bias of every position 0..length-1 per head, in the original's own arithmetic.

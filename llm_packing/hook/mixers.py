@@ -10,11 +10,10 @@ fallbacks on CPU; the fast CUDA kernels (fla, causal-conv1d, mamba_ssm) get an o
 here. Pure SSMs (mamba, falcon_mamba, mamba2) take the same path, and so do the pure recurrent LMs RWKV and xLSTM,
 whose blocks get no mask: a call of their model makes the mask it received visible to them (`MASK_RECORDERS`).
 
-Documents are grouped by length (a power-of-two bucket per group), so short documents share one call and no group is
-more than half padding. The layout is derived once per forward from the indexed mask the model hands its mixers
-(transformers' `create_recurrent_attention_mask` passes a view of the 2-D mask) and is remembered per thread, keyed by
-that mask tensor; its document spans come from the host copy the mask builders and the varlen route of the same forward
-made (`masks.host_copy`): one host sync per forward in all.
+Documents are grouped by length with the rule varlen attention uses (`documents.bucket_bounds`), so short documents
+share one call and padding stays small. The groups are derived once per forward, from the documents the mask builders
+of the same forward already read (`hook.documents`; transformers' `create_recurrent_attention_mask` hands the mixers a
+view of the same 2-D mask): one host sync per forward in all.
 
 `MIXERS` is the one table of mixer classes the hook wraps; a hybrid type absent from it stays refused.
 """
@@ -25,14 +24,15 @@ import importlib
 import inspect
 import re
 import threading
-import weakref
 
 import numpy as np
 import torch
 
 from .. import _compat
 from ..errors import ContaminationError, IncompatibleTransformersError, UnsupportedSetupError
-from .masks import _is_integer_2d, document_runs, document_spans, host_copy, validate_document_ids
+from . import registry
+from .documents import bucket_bounds, documents_from_positions, documents_of
+from .masks import is_integer_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +138,6 @@ MASK_RECORDERS: dict[str, tuple[str, ...]] = {
 # Arguments that describe the packed row as a whole (varlen kernels' boundaries): meaningless for the re-batched call.
 _ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 
-_originals: dict[type, object] = {}  # mixer class -> its original `forward`
-_recorders: dict[type, object] = {}  # mask recorder class -> the `__call__` of its own before (None: inherited)
-
-
 class _ModelMaskPerThread(threading.local):
     mask = None  # the `attention_mask` of the model call running on this thread (`MASK_RECORDERS`)
 
@@ -159,32 +155,18 @@ def mixer_classes(model_type: str) -> list[type]:
 
 
 def patch_mixers(model_type: str) -> None:
-    """Wrap the `forward` of every mixer class of `model_type` (idempotent)."""
+    """Wrap the `forward` of every mixer class of `model_type`, and the `__call__` of its mask recorders
+    (idempotent; `unconfigure_packing` restores them through the registry)."""
     if model_type not in MIXERS:
         return
     module_name, calls = MIXERS[model_type]
     for cls in mixer_classes(model_type):
-        if cls not in _originals:
-            _originals[cls] = cls.forward
-            cls.forward = _wrap_forward(cls.forward, calls[cls.__name__])
+        if not registry.is_ours(cls.forward):
+            registry.replace_attribute(cls, "forward", registry.ours(_wrap_forward(cls.forward, calls[cls.__name__])))
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
-        if cls not in _recorders:
-            _recorders[cls] = cls.__dict__.get("__call__")
-            cls.__call__ = _record_mask(cls.__call__, cls.forward)
-
-
-def unpatch_mixers() -> None:
-    """Restore every mixer `forward` that [`patch_mixers`] replaced."""
-    for cls, forward in _originals.items():
-        cls.forward = forward
-    _originals.clear()
-    for cls, call in _recorders.items():
-        if call is None:
-            del cls.__call__
-        else:
-            cls.__call__ = call
-    _recorders.clear()
+        if not registry.is_ours(cls.__call__):
+            registry.replace_attribute(cls, "__call__", registry.ours(_record_mask(cls.__call__, cls.forward)))
 
 
 def check_mixers_covered(model) -> None:
@@ -272,11 +254,11 @@ def _wrap_forward(forward, call: MixerCall):
         module = arguments["self"]
         inner, checkpoint = _checkpointing(forward, module)
         layout = None
-        if _is_integer_2d(documents):
+        if is_integer_mask(documents):
             batch_size = arguments[call.hidden].shape[0]
             if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
                 documents = documents.expand(batch_size, -1)
-            layout = _layout(documents, from_positions=call.documents == "position_ids")
+            layout = _document_batches(documents, from_positions=call.documents == "position_ids")
         if layout is None:  # not packed: the call as it was, checkpointed where transformers' wrapper would have
             return checkpoint(functools.partial(inner, module, **kwargs), *args[1:]) if checkpoint else forward(
                 *args, **kwargs)
@@ -340,8 +322,8 @@ class DocumentBatches:
     >>> import torch
     >>> from llm_packing.hook.mixers import DocumentBatches
     >>> layout = DocumentBatches.from_mask(torch.tensor([[1, 1, 1, 2, 0], [1, 2, 2, 3, 3]]))
-    >>> [group.shape for group in layout.gather]
-    [torch.Size([1, 3]), torch.Size([2, 2]), torch.Size([2, 1])]
+    >>> [group.tolist() for group in layout.gather]
+    [[[0, 1, 2], [6, 7, 10], [8, 9, 10], [3, 10, 10], [5, 10, 10]]]
     >>> layout.run(lambda states: states.cumsum(1), torch.ones(2, 5, 1))[..., 0]
     tensor([[1., 2., 3., 1., 0.],
             [1., 1., 2., 1., 2.]])
@@ -358,23 +340,19 @@ class DocumentBatches:
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "DocumentBatches":
         """The layout of an indexed mask (`batch_size`, `length`): 1-based document ids, 0 on padding."""
-        return cls.from_ids(mask.detach().cpu().long().numpy(), mask.device)
-
-    @classmethod
-    def from_ids(cls, ids: np.ndarray, device: torch.device) -> "DocumentBatches":
-        validate_document_ids(ids)
-        tokens, first = document_runs(ids)
-        return cls.from_spans(tokens[first], np.diff(np.append(first, len(tokens))), ids.shape, device)
+        documents = documents_of(mask)
+        return cls.from_spans(documents.starts, documents.lengths, mask.shape, mask.device)
 
     @classmethod
     def from_spans(cls, begins: np.ndarray, lengths: np.ndarray, shape, device: torch.device) -> "DocumentBatches":
-        """The layout from each document's flat start and length in a `(batch_size, length)` batch."""
-        buckets = np.ceil(np.log2(lengths)).astype(np.int64)
+        """The layout from each document's flat start and length in a `(batch_size, length)` batch, documents grouped
+        by `documents.bucket_bounds` (the rule varlen attention groups by too)."""
+        order = np.argsort(-lengths, kind="stable")
         pad_index = int(np.prod(shape))
         gather, real, targets = [], [], []
-        for bucket in np.unique(buckets)[::-1]:
-            chosen = np.flatnonzero(buckets == bucket)
-            width = int(lengths[chosen].max())
+        for first, last in bucket_bounds(lengths[order]):
+            chosen = order[first:last]
+            width = int(lengths[chosen[0]])
             offsets = np.arange(width)
             inside = offsets[None, :] < lengths[chosen, None]
             index = np.where(inside, begins[chosen, None] + offsets[None, :], pad_index)
@@ -415,30 +393,13 @@ class DocumentBatches:
         return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
 
 
-class _LayoutPerThread(threading.local):
-    mask = None
-    version = None
-    layout = None
-
-
-_last = _LayoutPerThread()
-
-
-def _layout(mask: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:
-    """The layout of an indexed mask, or None for a plain 0/1 mask; built once per mask object and version, from the
-    host copy the mask builders of the forward already made (`masks.host_copy`). `from_positions`: `mask` holds
-    `position_ids`, and a document starts at every 0 (padding too becomes documents, whose outputs nothing reads)."""
-    if _last.mask is not None and _last.mask() is mask and _last.version == mask._version:
-        return _last.layout
-    layout = None
-    if from_positions:
-        ids = np.cumsum(mask.detach().cpu().long().numpy() == 0, axis=1)
-        if ids.max(initial=0) > 1:
-            layout = DocumentBatches.from_ids(ids, mask.device)
-    else:
-        ids, _ = host_copy(mask)
-        if ids.max(initial=0) > 1:
-            validate_document_ids(ids)
-            layout = DocumentBatches.from_spans(*document_spans(mask), ids.shape, mask.device)
-    _last.mask, _last.version, _last.layout = weakref.ref(mask), mask._version, layout
-    return layout
+def _document_batches(documents: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:
+    """The [`DocumentBatches`] of this forward's indexed mask (`documents`), or None for a plain 0/1 mask: built once
+    per forward, from the documents the mask builders of the forward already derived (`hook.documents`).
+    `from_positions`: `documents` holds `position_ids`, and a document starts at every 0."""
+    state = documents_from_positions(documents) if from_positions else documents_of(documents)
+    if not state.is_packed:
+        return None
+    return state.derived("mixers", lambda: DocumentBatches.from_spans(
+        state.starts, state.lengths, state.ids.shape, documents.device
+    ))

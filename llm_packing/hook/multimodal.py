@@ -14,7 +14,9 @@ import functools
 import torch
 
 from ..errors import UnsupportedSetupError
-from .masks import is_indexed_packed_mask
+from . import registry
+from .documents import documents_of
+from .masks import is_integer_mask
 
 
 # Forward arguments that carry media (pixel_values, pixel_values_videos, image_sizes, input_features,
@@ -23,9 +25,6 @@ _MEDIA_ARGUMENT_WORDS = ("pixel", "image", "video", "audio", "input_features", "
 _MEDIA_TOKEN_FIELDS = tuple(
     f"{kind}_token_{suffix}" for kind in ("image", "video", "audio") for suffix in ("id", "index")
 )
-
-_guards: dict[int, torch.utils.hooks.RemovableHandle] = {}  # id(model) -> its forward pre-hook
-
 
 def media_argument_names(model) -> tuple[str, ...]:
     """The arguments of `model.forward` that carry images, video or audio (empty for a text-only model)."""
@@ -36,9 +35,9 @@ def media_argument_names(model) -> tuple[str, ...]:
 
 
 def guard_media_inputs(model) -> None:
-    """Make packed forwards of `model` refuse media inputs, if its forward takes any; undone by
-    [`remove_media_guards`]. Idempotent."""
-    if not isinstance(model, torch.nn.Module) or id(model) in _guards:
+    """Make packed forwards of `model` refuse media inputs, if its forward takes any (idempotent; removed by
+    `unconfigure_packing` through the registry)."""
+    if not isinstance(model, torch.nn.Module):
         return
     names = media_argument_names(model)
     config = getattr(model, "config", None)
@@ -47,19 +46,12 @@ def guard_media_inputs(model) -> None:
     )
     if names or token_ids:
         hook = functools.partial(_refuse_media_in_packed_batch, names=names, token_ids=token_ids)
-        _guards[id(model)] = model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def remove_media_guards() -> None:
-    """Remove every hook [`guard_media_inputs`] registered."""
-    for handle in _guards.values():
-        handle.remove()
-    _guards.clear()
+        registry.add_forward_pre_hook(model, "media", hook)
 
 
 def _refuse_media_in_packed_batch(module, args, kwargs, *, names, token_ids):
     attention_mask = kwargs.get("attention_mask")
-    if not is_indexed_packed_mask(attention_mask):
+    if not is_integer_mask(attention_mask) or not documents_of(attention_mask, kwargs.get("position_ids")).is_packed:
         return
     given = [name for name in names if kwargs.get(name) is not None]
     input_ids = kwargs.get("input_ids", args[0] if args else None)

@@ -13,7 +13,6 @@ document into chunk-sized pieces, each attended causally. What SDPA cannot expre
 position biases) keeps the dense route: see `llm_packing.hook.support.architectures.sdpa_route`.
 """
 
-import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,16 +20,11 @@ import torch
 
 from ..core.checks import check_choice
 from ..errors import UnsupportedSetupError
-from .masks import document_spans
+from . import registry
+from .documents import bucket_bounds, documents_of
 
 
 ROUTES = ("auto", "varlen", "dense")
-# Documents of a bucket are padded to its longest one: a bucket takes documents down to 1/BUCKET_RATIO of that length,
-# so a document's padding costs at most 36% of its bucket slot's attention FLOPs, while lengths from 32 to 32,768
-# tokens fall into at most 32 buckets (SDPA calls per layer).
-BUCKET_RATIO = 1.25
-# Documents this short share one bucket whatever their lengths: per-call overhead outweighs their padding.
-SMALLEST_BUCKET = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,13 +74,14 @@ class PackedAttentionMask:
                 attend only within themselves (transformers' `attention_chunk_size`).
         """
         batch_size, length = attention_mask.shape
-        starts, lengths = document_spans(attention_mask)
+        documents = documents_of(attention_mask)
+        starts, lengths = documents.starts, documents.lengths
         if chunk is not None:
             starts, lengths = _cut_into_chunks(starts, lengths, chunk)
         order = np.argsort(-lengths, kind="stable")
         starts, lengths = starts[order], lengths[order]
         buckets, sources, destinations, offset = [], [], [], 0
-        for first, last in _bucket_bounds(lengths):
+        for first, last in bucket_bounds(lengths):
             bucket_length = int(lengths[first])
             steps = np.arange(bucket_length)
             span_lengths = lengths[first:last, None]
@@ -117,19 +112,6 @@ def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tup
     document = np.repeat(np.arange(len(lengths)), pieces)
     index = np.arange(len(document)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     return starts[document] + index * chunk, np.minimum(lengths[document] - index * chunk, chunk)
-
-
-def _bucket_bounds(descending_lengths: np.ndarray) -> list[tuple[int, int]]:
-    """`(first, last)` index ranges of the buckets over lengths sorted longest first."""
-    bounds, first = [], 0
-    while first < len(descending_lengths):
-        longest = descending_lengths[first]
-        floor = 0 if longest <= SMALLEST_BUCKET else longest / BUCKET_RATIO
-        # Lengths are descending: count those strictly above the floor.
-        last = first + int(np.searchsorted(-descending_lengths[first:], -floor, side="left"))
-        bounds.append((first, max(last, first + 1)))
-        first = bounds[-1][1]
-    return bounds
 
 
 def packed_sdpa_attention(
@@ -220,33 +202,15 @@ def _refuse_inexpressible(module, kwargs) -> None:
         )
 
 
-class _LastLayouts:
-    """The layouts of the last indexed mask seen: the full, sliding and chunked builders of one forward share them,
-    and a new (or modified) mask starts afresh."""
-
-    def __init__(self):
-        self._mask_ref, self._version, self._layouts = None, None, {}
-
-    def get(self, attention_mask: torch.Tensor, chunk: int | None) -> PackedAttentionMask:
-        if (self._mask_ref is None or self._mask_ref() is not attention_mask
-                or self._version != attention_mask._version):
-            self._mask_ref, self._version, self._layouts = weakref.ref(attention_mask), attention_mask._version, {}
-        if chunk not in self._layouts:
-            self._layouts[chunk] = PackedAttentionMask.from_indexed_mask(attention_mask, chunk=chunk)
-        return self._layouts[chunk]
-
-
-_last_layouts = _LastLayouts()
-
-
 def packed_attention_mask(attention_mask: torch.Tensor, *, window=None, chunk=None) -> PackedAttentionMask:
     """The [`PackedAttentionMask`] of a validated indexed mask for one mask type (full, sliding `window`, `chunk`)."""
-    layout = _last_layouts.get(attention_mask, chunk)
+    layout = documents_of(attention_mask).derived(
+        ("varlen", chunk), lambda: PackedAttentionMask.from_indexed_mask(attention_mask, chunk=chunk)
+    )
     return layout if window is None else replace(layout, window=window)
 
 
 _route = "auto"  # set by `configure_packing(..., attention_route=...)`, process-wide like the rest of the hook
-_original_sdpa_forward = None
 
 
 def check_route(attention_route, config) -> None:
@@ -299,28 +263,25 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.
     if isinstance(attention_mask, PackedAttentionMask):
         output = packed_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return output, None
-    return _original_sdpa_forward(
+    from transformers.integrations import sdpa_attention
+
+    return sdpa_attention.sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
 
 def install() -> None:
     """Route sdpa attention through [`sdpa_attention_forward`] (`ALL_ATTENTION_FUNCTIONS`, where every model looks
-    its backend up at each forward)."""
-    global _original_sdpa_forward
+    its backend up at each forward), unless a kernel of someone else's is registered there."""
     from transformers.integrations import sdpa_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     if mapping.get("sdpa") is sdpa_attention.sdpa_attention_forward:
-        _original_sdpa_forward = mapping["sdpa"]
-        mapping["sdpa"] = sdpa_attention_forward
+        registry.replace_item(mapping, "sdpa", sdpa_attention_forward)
 
 
-def uninstall() -> None:
+def reset_route() -> None:
+    """Back to `"auto"`, as after import (`unconfigure_packing`)."""
     global _route
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if ALL_ATTENTION_FUNCTIONS._global_mapping.get("sdpa") is sdpa_attention_forward:
-        ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = _original_sdpa_forward
     _route = "auto"

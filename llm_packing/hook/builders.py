@@ -1,0 +1,193 @@
+"""The replacements of transformers' causal mask builders and of FlashAttention's `_get_unpad_data`.
+
+transformers casts 2-D masks to bool before any backend sees them, which merges packed documents. The wrapped
+builders read the indexed mask first:
+- eager / sdpa (dense route) / flex_attention: the builder is called with `attention_mask=None` and per-document
+  `position_ids`, so transformers' own packed-sequence masking builds the mask (bool for sdpa, additive float for
+  eager, a document `BlockMask` for flex), sliding windows and chunked attention included;
+- sdpa's varlen route: the builder returns the document layout instead of any `L x L` mask (`hook.varlen`);
+- flash_attention_2/3/4: the builder hands the raw indexed mask through, and `_get_unpad_data` turns it into
+  per-document `cu_seqlens` (batch size > 1 allowed).
+Masks without a document index above 1 go to the original builders untouched.
+"""
+
+import functools
+import inspect
+import warnings
+
+import numpy as np
+import torch
+
+from .. import _compat
+from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
+from . import registry, varlen
+from .documents import documents_of, get_unpad_data
+from .masks import document_position_ids, is_integer_mask
+
+
+# sdpa/eager masks are dense: warn once past this size (one mask; models with sliding layers build two).
+DENSE_MASK_WARNING_BYTES = 1 << 30
+_warned_dense_mask = False
+
+def wrap(name: str, original):
+    """Our replacement for the transformers function `name` (a mask builder or `_get_unpad_data`)."""
+    return registry.ours(_wrap_unpad(original) if name == "_get_unpad_data" else _wrap_builder(original))
+
+
+def _wrap_unpad(original):
+    @functools.wraps(original)
+    def get_unpad_data_with_documents(attention_mask: torch.Tensor):
+        # Bool masks come from transformers' own builders: they hold no document index.
+        if attention_mask.dtype == torch.bool:
+            return original(attention_mask)
+        return get_unpad_data(attention_mask)
+
+    return get_unpad_data_with_documents
+
+
+def _wrap_builder(original):
+    signature = inspect.signature(original)
+    cache_name = _compat.cache_parameter(original)
+
+    @functools.wraps(original)
+    def build_mask_with_documents(*args, **kwargs):
+        kwargs = _compat.rename_legacy_cache_argument(kwargs, signature)
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        attention_mask = arguments.get("attention_mask")
+        if attention_mask is not None and attention_mask.dim() == 4 and torch.is_grad_enabled():
+            raise UnsupportedSetupError(
+                f"A prepared 4-D `attention_mask` of shape {tuple(attention_mask.shape)} reached a training forward "
+                "while packing is configured: it bypasses per-document masking and drops sliding windows. Pass the "
+                "indexed 2-D mask from DataCollatorWithPacking instead, or call `unconfigure_packing()`."
+            )
+        if not is_integer_mask(attention_mask):
+            _refuse_float_document_ids(attention_mask)
+            return original(*args, **kwargs)
+        position_ids = arguments.get("position_ids")
+        if not _check_documents(attention_mask, position_ids):
+            return original(*args, **kwargs)
+        config = arguments["config"]
+        if arguments.get(cache_name) is not None:
+            raise ContaminationError(
+                "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
+                f"(`use_cache=True`, model_type {getattr(config, 'model_type', '?')!r}): the cache would mix the "
+                "documents. Pass `use_cache=False` (Trainer does this for you) or set "
+                "`model.config.use_cache = False`."
+            )
+        route = mask_route(config._attn_implementation, config)
+        if route == "flash":
+            return attention_mask
+        if route == "dense" and config._attn_implementation == "sdpa":
+            packed = varlen.mask_for_builder(original.__name__, arguments, attention_mask)
+            if packed is not None:
+                return packed
+        if route == "dense":
+            _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, config._attn_implementation)
+        arguments["attention_mask"] = None
+        arguments["position_ids"] = documents_of(attention_mask).derived(
+            "position_ids", lambda: document_position_ids(attention_mask)
+        )
+        return original(*bound.args, **bound.kwargs)
+
+    return build_mask_with_documents
+
+
+def _refuse_float_document_ids(attention_mask) -> None:
+    """transformers casts a 2-D mask to bool, so a float mask holding document ids would merge the documents."""
+    if (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.is_floating_point()
+        and attention_mask.numel() and bool(attention_mask.max() > 1)
+    ):
+        raise PackingTypeError(
+            f"`attention_mask` is a {attention_mask.dtype} 2-D mask holding document ids up to "
+            f"{attention_mask.max().item():g}: transformers would cast it to bool and merge the documents. Pass the "
+            "indexed mask as integers (`attention_mask.long()`), as DataCollatorWithPacking emits it."
+        )
+
+
+def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
+    """Whether the mask is indexed (some id > 1); the ids and positions are checked once per forward, from the host
+    copy every part of the hook shares (`hook.documents`)."""
+    # While decoding with a KV cache, `position_ids` cover only the new tokens (generation, e.g. GRPO's rollouts).
+    checks_positions = (position_ids is not None and position_ids.dim() == 2
+                        and position_ids.shape[-1] == attention_mask.shape[-1])
+    documents = documents_of(attention_mask, position_ids if checks_positions else None)
+    if checks_positions:
+        check = _positions_restart_per_document if documents.is_packed else _refuse_restarting_positions
+        documents.check_positions(position_ids, functools.partial(check, documents.ids))
+    return documents.is_packed
+
+
+def _positions_restart_per_document(ids: np.ndarray, positions: np.ndarray) -> None:
+    expected = document_position_ids(torch.from_numpy(ids)).numpy()
+    wrong = (ids > 0) & (positions != expected)
+    if wrong.any():
+        row, col = map(int, np.argwhere(wrong)[0])
+        raise ContaminationError(
+            f"`position_ids` must restart at 0 for every document of a packed batch; row {row} position {col} "
+            f"has {int(positions[row, col])} where document {int(ids[row, col])} needs {int(expected[row, col])}. "
+            "Pass the `position_ids` that DataCollatorWithPacking emits."
+        )
+
+
+def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> None:
+    """A 0/1 mask lets every token of a row attend to all before it: `position_ids` restarting inside the row mean
+    packed documents attending to each other (TRL's `return_position_ids=True` collator on packed rows)."""
+    restarts = (mask[:, 1:] > 0) & (mask[:, :-1] > 0) & (positions[:, 1:] <= positions[:, :-1])
+    if restarts.any():
+        row, col = map(int, np.argwhere(restarts)[0] + [0, 1])
+        raise ContaminationError(
+            f"`position_ids` restart inside a row whose `attention_mask` is 0/1 (row {row}, token {col}: position "
+            f"{int(positions[row, col])} after {int(positions[row, col - 1])}), so packed documents would attend to "
+            "each other. TRL's collator sends this with `return_position_ids=True`. Train with "
+            "`llm_packing.PackedSFTTrainer`, or collate with `DataCollatorWithPacking` (indexed mask) or TRL's "
+            "`padding_free=True` (no mask)."
+        )
+
+
+def mask_route(backend: str, config) -> str:
+    """"flash" for backends that run transformers' FlashAttention integration, which unpads with `_get_unpad_data`
+    (flash_attention_2/3/4 and hub FlashAttention kernels); "dense" (sdpa, eager) and "flex" for those whose mask
+    transformers builds from per-document positions. Anything else cannot be isolated, including a hub kernel that
+    registers one of these masks with an attention function of its own (MiniMaxAI/msa ignores the mask)."""
+    from transformers import masking_utils
+    from transformers.integrations import flash_attention, flex_attention, sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    routes = {
+        (masking_utils.flash_attention_mask, flash_attention.flash_attention_forward): "flash",
+        (masking_utils.sdpa_mask, sdpa_attention.sdpa_attention_forward): "dense",
+        (masking_utils.sdpa_mask, varlen.sdpa_attention_forward): "dense",  # its varlen route, see `_wrap_builder`
+        (masking_utils.eager_mask, None): "dense",  # eager is each model's own function, not a registered one
+        (masking_utils.flex_attention_mask, flex_attention.flex_attention_forward): "flex",
+    }
+    mask_function = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(backend)
+    route = routes.get((mask_function, ALL_ATTENTION_FUNCTIONS._global_mapping.get(backend)))
+    if route is not None:
+        return route
+    raise UnsupportedSetupError(
+        f"Attention backend {backend!r} (model_type {getattr(config, 'model_type', '?')!r}) has no mask path that "
+        "llm_packing can make per-document (only transformers' own eager, sdpa, flex and FlashAttention functions "
+        "honour it). Use one of 'eager', 'sdpa', 'flex_attention', 'flash_attention_2', 'flash_attention_3', "
+        "'flash_attention_4', e.g. `configure_packing(model, attn_implementation='sdpa')`."
+    )
+
+
+def _warn_if_dense_mask_is_large(attention_mask: torch.Tensor, dtype: torch.dtype, backend: str) -> None:
+    """sdpa and eager get a materialised (batch, 1, length, length) mask per mask type: memory quadratic in length."""
+    global _warned_dense_mask
+    batch_size, length = attention_mask.shape
+    element_size = 1 if backend == "sdpa" else dtype.itemsize
+    size = batch_size * length * length * element_size
+    if size > DENSE_MASK_WARNING_BYTES and not _warned_dense_mask:
+        _warned_dense_mask = True
+        warnings.warn(
+            f"The packed {backend} attention mask for a batch of shape {tuple(attention_mask.shape)} takes "
+            f"{size / 2**30:.1f} GiB (batch x length^2 x {element_size} bytes, per mask type): above "
+            f"{DENSE_MASK_WARNING_BYTES / 2**30:.0f} GiB. sdpa's varlen route (`attention_route='auto'`), "
+            "FlashAttention ('flash_attention_2') and flex_attention keep packing memory linear in tokens; otherwise "
+            "lower per_device_train_batch_size or max_length.",
+            UserWarning,
+            stacklevel=4,
+        )

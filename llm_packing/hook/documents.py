@@ -1,0 +1,295 @@
+"""The documents of one packed forward: derived once from its indexed mask, and shared by every part of the hook.
+
+A forward's mask builders, FlashAttention's unpad helper, sdpa's varlen route, the hybrid mixers, ALiBi and the sparse
+key indexers all need the same facts about the mask `[1, 1, 2, 2, 2, 0]`: which tokens belong to which document. The
+first of them to see the mask calls [`documents_of`], which copies it to the host once (the forward's one device
+sync), checks the document ids once, and keeps a [`ForwardDocuments`] for the others; what each reader derives from
+it (unpad data, attention buckets, mixer batches) is built once and kept on it too.
+
+The state is per thread: `nn.DataParallel` (and so `Trainer` on a machine with several GPUs and no launcher) runs a
+replica's forward on each of several threads at once, each with its own mask. A thread finds its own forward's state
+by the mask tensor itself: the same elements (the tensor, or a view of its storage such as the
+`attention_mask[:, -length:]` transformers hands hybrid mixers) unmodified since (`_version`).
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PackingTypeError
+from .masks import document_runs, is_integer_mask, validate_document_ids
+
+
+# Per-document work (varlen attention calls, mixer calls) runs documents of similar lengths side by side, each padded
+# to the longest of its bucket. A bucket takes documents down to 1/BUCKET_RATIO of that length, so padding costs at
+# most 20% of a bucket's tokens (36% of causal attention FLOPs), while lengths from 32 to 32,768 tokens fall into at
+# most 32 buckets (calls per layer).
+BUCKET_RATIO = 1.25
+# Documents this short share one bucket whatever their lengths: per-call overhead outweighs their padding.
+SMALLEST_BUCKET = 32
+
+
+def bucket_bounds(descending_lengths: np.ndarray) -> list[tuple[int, int]]:
+    """
+    `(first, last)` index ranges of the buckets over document lengths sorted longest first: the one rule that groups
+    per-document work.
+
+    Example:
+    ```python
+    >>> import numpy as np
+    >>> bucket_bounds(np.array([100, 90, 70, 40, 33, 20, 1]))
+    [(0, 2), (2, 3), (3, 5), (5, 7)]
+
+    ```
+    """
+    bounds, first = [], 0
+    while first < len(descending_lengths):
+        longest = descending_lengths[first]
+        floor = 0 if longest <= SMALLEST_BUCKET else longest / BUCKET_RATIO
+        # Lengths are descending: count those strictly above the floor.
+        last = first + int(np.searchsorted(-descending_lengths[first:], -floor, side="left"))
+        bounds.append((first, max(last, first + 1)))
+        first = bounds[-1][1]
+    return bounds
+
+
+class ForwardDocuments:
+    """
+    The documents of one indexed mask, and what the hook derives from them, each computed once.
+
+    Attributes: `mask` (the tensor, held so that no other tensor can reuse its memory and pass for it), `ids` (int64
+    host copy, `(batch_size, length)`), `is_packed` (some document id above 1: a 0/1 mask is not packed).
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.documents import documents_of
+    >>> documents = documents_of(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]))
+    >>> documents.starts.tolist(), documents.lengths.tolist()
+    ([0, 2, 6, 7, 9], [2, 3, 1, 2, 3])
+
+    ```
+    """
+
+    def __init__(self, mask: torch.Tensor, ids: np.ndarray):
+        self.mask = mask
+        self.version = mask._version
+        self.ids = ids
+        self.is_packed = bool(ids.max(initial=0) > 1)
+        if self.is_packed:
+            validate_document_ids(ids)
+        # (position_ids held, its version, host copy, checked)
+        self._positions: tuple[torch.Tensor, int, np.ndarray, bool] | None = None
+        self._derived: dict[Any, Any] = {}
+
+    def describes(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is this state's mask, or a view of the same elements, unmodified since."""
+        return _same_elements(self.mask, self.version, tensor)
+
+    def derived(self, key, build: Callable[[], Any]):
+        """`build()`, computed on the first call with `key` and kept for this forward: how each part of the hook
+        attaches its own form of the layout (the varlen buckets, the mixers' document batches) without a second
+        copy of the mask."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Flat start position (in the `(batch_size * length)` layout) of every document, row by row."""
+        return self._spans[0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Length of every document, in the order of `starts`."""
+        return self._spans[1]
+
+    @property
+    def _spans(self) -> tuple[np.ndarray, np.ndarray]:
+        def spans():
+            tokens, first = document_runs(self.ids)
+            return tokens[first], np.diff(np.append(first, len(tokens)))
+
+        return self.derived("spans", spans)
+
+    def check_positions(self, position_ids: torch.Tensor, check: Callable[[np.ndarray], None]) -> None:
+        """`check(positions)` on the int64 host copy of `position_ids` (broadcast to the mask's shape), once per
+        positions tensor: the builders of one forward (full, sliding, chunked) share it."""
+        held = self._positions
+        if held is not None and _same_elements(held[0], held[1], position_ids):
+            if held[3]:
+                return
+            positions = held[2]
+        else:
+            positions = _to_host(position_ids.detach().long().expand(self.ids.shape))
+        self._positions = (position_ids, position_ids._version, positions, False)
+        check(positions)
+        self._positions = (position_ids, position_ids._version, positions, True)
+
+
+class _PerThread(threading.local):
+    states: dict[str, ForwardDocuments]
+
+    def __init__(self):
+        self.states = {}
+
+
+_per_thread = _PerThread()
+
+
+def documents_of(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> ForwardDocuments:
+    """
+    The [`ForwardDocuments`] of an integer 2-D mask: this thread's current one if it describes the mask, else a new
+    one (the forward's device-to-host copy, together with `position_ids` when they are 2-D positions of the same
+    tokens, and the id checks).
+
+    Raises [`~llm_packing.errors.PackingValueError`] for malformed document ids (see `masks.validate_document_ids`).
+    """
+    return _documents(attention_mask, position_ids, "mask")
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> ForwardDocuments:
+    """The documents that `position_ids` (`(batch_size, length)`) delimit: a new one starts at every 0 (padding too
+    becomes one-token documents). For mixers handed only the prepared 4-D mask, after the mask builder of the same
+    forward checked these positions against the indexed mask."""
+    current = _per_thread.states.get("positions")
+    if current is not None and current.describes(position_ids):
+        return current
+    ids = np.cumsum(_to_host(position_ids.detach().long()) == 0, axis=1)
+    state = _per_thread.states["positions"] = ForwardDocuments(position_ids, ids)
+    return state
+
+
+def _documents(attention_mask, position_ids, kind) -> ForwardDocuments:
+    current = _per_thread.states.get(kind)
+    if current is not None and current.describes(attention_mask):
+        return current
+    mask = attention_mask.detach().long()
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != mask.shape[-1]):
+        position_ids = None  # 3-D (mRoPE) positions, or those of the new tokens while decoding: checked elsewhere
+    if position_ids is None:
+        host, positions = _to_host(mask), None
+    else:  # one device-to-host copy for both
+        host, positions = _to_host(torch.stack([mask, position_ids.detach().to(mask.device).long().expand_as(mask)]))
+    # Drop the previous forward's state before validating (a malformed mask must not leave a stale one behind).
+    _per_thread.states.pop(kind, None)
+    state = ForwardDocuments(attention_mask, host)
+    if positions is not None:
+        state._positions = (position_ids, position_ids._version, positions, False)
+    _per_thread.states[kind] = state
+    return state
+
+
+def _to_host(tensor: torch.Tensor) -> np.ndarray:
+    """The device-to-host copy of a forward (`tests/test_varlen.py` counts these)."""
+    return tensor.cpu().numpy()
+
+
+def _same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:
+    if tensor.numel() == 0:
+        return False
+    same = held is tensor or (
+        held.device == tensor.device and held.dtype == tensor.dtype and held.shape == tensor.shape
+        and held.stride() == tensor.stride() and held.storage_offset() == tensor.storage_offset()
+        and held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    )
+    return same and tensor._version == version
+
+
+def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """
+    Unpadding data for varlen attention kernels, one segment per document (a drop-in for transformers'
+    `_get_unpad_data`).
+
+    Args:
+        attention_mask (`torch.Tensor`):
+            Indexed mask of shape `(batch_size, sequence_length)`: 1-based document index per token, 0 for padding.
+            A 0/1 or bool mask gives one segment per row, exactly as transformers does.
+
+    Returns:
+        `tuple`: `indices` (int64 positions of the non-padding tokens in the flattened mask), `cu_seqlens` (int32
+        cumulative document lengths, starting at 0) and `max_seqlen` (`int`, the longest document).
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.documents import get_unpad_data
+    >>> indices, cu_seqlens, max_seqlen = get_unpad_data(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]))
+    >>> indices
+    tensor([ 0,  1,  2,  3,  4,  6,  7,  8,  9, 10, 11])
+    >>> cu_seqlens
+    tensor([ 0,  2,  5,  6,  8, 11], dtype=torch.int32)
+    >>> max_seqlen
+    3
+
+    ```
+    """
+    if not isinstance(attention_mask, torch.Tensor):
+        raise PackingTypeError(
+            f"`attention_mask` must be a torch.Tensor of shape (batch_size, sequence_length), got "
+            f"{type(attention_mask).__name__}. Convert it first, e.g. `torch.tensor(mask)`."
+        )
+    if attention_mask.dim() != 2:
+        raise PackingTypeError(
+            f"`attention_mask` must be 2-D (batch_size, sequence_length), got shape {tuple(attention_mask.shape)}. "
+            "Pass the indexed 2-D mask from DataCollatorWithPacking, not a prepared 4-D mask."
+        )
+    if is_integer_mask(attention_mask):
+        documents = documents_of(attention_mask)
+    else:  # a user's bool or float 0/1 mask: read once, not kept as a forward's state
+        _refuse_rounded_ids(attention_mask)
+        documents = ForwardDocuments(attention_mask, _to_host(attention_mask.detach().long()))
+    return documents.derived("unpad", lambda: _unpad_data(documents, attention_mask.device))
+
+
+def _refuse_rounded_ids(attention_mask: torch.Tensor) -> None:
+    if attention_mask.is_floating_point() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise PackingTypeError(
+            f"`attention_mask` is {attention_mask.dtype} with values other than 0 and 1 (max "
+            f"{attention_mask.max().item():g}): document ids would be rounded. Pass the indexed mask as integers "
+            "(`attention_mask.long()`)."
+        )
+
+
+def _unpad_data(documents: ForwardDocuments, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ids = documents.ids
+    if documents.is_packed:
+        indices, first = document_runs(ids)
+        cu_seqlens = np.append(first, len(indices))
+    else:
+        # One segment per row, rows without tokens included, as transformers' own `_get_unpad_data` does.
+        indices = np.flatnonzero(ids.reshape(-1))
+        cu_seqlens = np.concatenate([[0], np.cumsum((ids != 0).sum(axis=1))])
+    max_seqlen = int(np.diff(cu_seqlens).max(initial=0))
+    return (
+        torch.from_numpy(indices).to(device),
+        torch.from_numpy(cu_seqlens.astype(np.int32)).to(device),
+        max_seqlen,
+    )
+
+
+def get_seqlens_in_batch(attention_mask: torch.Tensor) -> torch.Tensor:
+    """
+    Lengths of the documents of an indexed mask, row by row, in order.
+
+    Args:
+        attention_mask (`torch.Tensor`):
+            Indexed mask of shape `(batch_size, sequence_length)`: 1-based document index per token, 0 for padding.
+
+    Returns:
+        `torch.Tensor`: int32 lengths, one per document, on the mask's device.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.documents import get_seqlens_in_batch
+    >>> get_seqlens_in_batch(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]))
+    tensor([2, 3, 1, 2, 3], dtype=torch.int32)
+
+    ```
+    """
+    _, cu_seqlens, _ = get_unpad_data(attention_mask)
+    return cu_seqlens.diff()

@@ -1,0 +1,58 @@
+"""A configured model refuses the training batches that would leave its documents unisolated.
+
+`DataCollatorWithPacking` (and the hook's own packed forwards) always send `position_ids`, and an indexed mask
+whenever a row holds several documents. A training forward (module in training mode, gradients on) that gets neither
+document ids in its mask nor `position_ids` comes from a collator that knows nothing of packing: TRL's default on
+`pack_dataset` rows is the case that matters (`trl.SFTTrainer(model=configured_model,
+train_dataset=pack_dataset(...))` with stock defaults collates each packed row with an all-ones mask, so its
+documents attend to each other). That batch is refused before any layer runs. Evaluation, generation and
+`verify_packing` (no gradients, or eval mode) are never refused.
+"""
+
+import inspect
+
+import torch
+
+from ..errors import ContaminationError
+from . import registry
+from .documents import documents_of
+from .masks import is_integer_mask
+
+
+def refuse_batches_without_documents(model: torch.nn.Module) -> None:
+    """Add the check to `model` (idempotent; removed by `unconfigure_packing`)."""
+    registry.add_forward_pre_hook(_checked_module(model), "training batches", _refuse_batch_without_documents)
+
+
+def _checked_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The base model where it takes `position_ids`: a causal LM calls it through `__call__` with the mask and
+    positions it was given, even inside PEFT's wrappers, which call the causal LM's `forward` directly. Models whose
+    base takes no positions (RWKV, xLSTM, Mamba) are checked where they are called."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's transformers model
+    base = getattr(inner, "base_model", inner)
+    return base if "position_ids" in inspect.signature(base.forward).parameters else inner
+
+
+def _refuse_batch_without_documents(module, args, kwargs):
+    if not (module.training and torch.is_grad_enabled()) or kwargs.get("position_ids") is not None:
+        return
+    mask = kwargs.get("attention_mask")
+    if is_integer_mask(mask) and mask.numel() and documents_of(mask).is_packed:
+        return
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
+    raise ContaminationError(
+        f"A training batch (input_ids of shape {shape}) reached a model configured for packing with "
+        f"{_describe(mask)} and no `position_ids`: nothing tells where its documents start, so packed rows would "
+        "attend across documents (stock `trl.SFTTrainer`'s default collator on `pack_dataset` rows does this). Train "
+        "with `llm_packing.PackedSFTTrainer`, or collate with `llm_packing.DataCollatorWithPacking` (it sends the "
+        "indexed mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
+    )
+
+
+def _describe(mask) -> str:
+    if mask is None:
+        return "no `attention_mask`"
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return "a 0/1 `attention_mask`"
+    return f"an `attention_mask` of shape {tuple(mask.shape)}"

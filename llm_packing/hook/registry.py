@@ -1,0 +1,135 @@
+"""The one record of what the hook replaced, so that `unconfigure_packing()` puts every object back.
+
+Every rebinding the hook makes goes through here: functions bound by name in modules (the mask builders, wherever a
+modeling module imported them), entries of transformers' registries (`ALL_ATTENTION_FUNCTIONS`, the layer-pattern
+mask mapping), class attributes (mixer `forward`s, model `__call__`s), module-level helpers (ALiBi builders) and
+forward pre-hooks (the model's guards). [`restore_all`] undoes them newest first, and only where our replacement is
+still in place: an object someone replaced after us is theirs to restore.
+"""
+
+import sys
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+
+_MISSING = object()  # the attribute was inherited, not set on the object itself
+_MARK = "__llm_packing_replacement__"
+
+
+def ours(function):
+    """Mark `function` as one the hook binds in transformers' place (and return it)."""
+    setattr(function, _MARK, True)
+    return function
+
+
+def is_ours(function) -> bool:
+    """Whether `function` is one of the hook's replacements: configuring twice replaces nothing twice."""
+    return getattr(function, _MARK, False)
+
+
+@dataclass
+class _Replacement:
+    owner: Any  # a module, a class or a mapping
+    name: Any  # attribute name, or mapping key
+    original: Any  # `_MISSING` if the owner had no own value
+    replacement: Any
+    is_item: bool = False
+
+
+_replacements: list[_Replacement] = []
+_swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
+_hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward pre-hook
+
+
+def replace_attribute(owner, name: str, replacement) -> None:
+    """Set `owner.name = replacement`, remembering what was there (idempotent for the same replacement)."""
+    current = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+    if current is replacement:
+        return
+    _replacements.append(_Replacement(owner, name, current, replacement))
+    setattr(owner, name, replacement)
+
+
+def replace_item(mapping: MutableMapping, key, replacement) -> None:
+    """Set `mapping[key] = replacement`, remembering what was there."""
+    current = mapping.get(key, _MISSING)
+    if current is replacement:
+        return
+    _replacements.append(_Replacement(mapping, key, current, replacement, is_item=True))
+    mapping[key] = replacement
+
+
+def replace_everywhere(original: Callable, replacement: Callable) -> None:
+    """Bind `replacement` wherever a module holds `original` by name, now and, at [`restore_all`], in modules imported
+    since (they import the patched source module's attribute: our replacement)."""
+    _swept[id(original)] = (original, replacement)
+    _sweep({id(original): replacement})
+
+
+def replacement_for(original: Callable):
+    """What [`replace_everywhere`] bound in place of `original`, or None."""
+    entry = _swept.get(id(original))
+    return entry[1] if entry is not None and entry[0] is original else None
+
+
+def add_forward_pre_hook(module, kind: str, hook) -> None:
+    """`module.register_forward_pre_hook(hook, with_kwargs=True)`, once per module and `kind`, removed at
+    [`restore_all`]."""
+    key = (id(module), kind)
+    if key not in _hooks:
+        _hooks[key] = module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def replaced_objects() -> list[tuple[Any, Any]]:
+    """`(owner, name)` of every attribute and mapping entry replaced now (modules swept included)."""
+    swept = {id(replacement) for _, replacement in _swept.values()}
+    found = [(entry.owner, entry.name) for entry in _replacements]
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None) or {}
+        found += [(module, name) for name, value in list(namespace.items()) if id(value) in swept]
+    return found
+
+
+def is_active() -> bool:
+    return bool(_replacements or _swept or _hooks)
+
+
+def restore_all() -> None:
+    """Undo every replacement, newest first; safe to call twice."""
+    while _hooks:
+        _hooks.popitem()[1].remove()
+    while _replacements:
+        entry = _replacements.pop()
+        if entry.is_item:
+            if entry.owner.get(entry.name, _MISSING) is entry.replacement:
+                _restore_item(entry)
+        elif getattr(entry.owner, entry.name, _MISSING) is entry.replacement:
+            if entry.original is _MISSING:
+                delattr(entry.owner, entry.name)
+            else:
+                setattr(entry.owner, entry.name, entry.original)
+    if _swept:
+        by_replacement = {id(replacement): original for original, replacement in _swept.values()}
+        _sweep(by_replacement)
+        _swept.clear()
+
+
+def _restore_item(entry: _Replacement) -> None:
+    if entry.original is _MISSING:
+        del entry.owner[entry.name]
+    else:
+        entry.owner[entry.name] = entry.original
+
+
+def _sweep(swaps: dict[int, Any]) -> None:
+    """In every module namespace, replace each value whose id is a key of `swaps` by that key's value. The objects
+    behind the keys are alive (held by `_swept`), so an id names one object."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is None:
+            continue
+        for attribute, value in list(namespace.items()):
+            swapped = swaps.get(id(value))
+            if swapped is not None:
+                namespace[attribute] = swapped
