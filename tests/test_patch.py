@@ -274,7 +274,8 @@ def test_unconfigure_restores_every_rebound_name_and_the_registry_lists_them():
     assert after.keys() == before.keys()
     assert [key for key, value in before.items() if after[key] is not value] == []
     assert {key[0] for key in changed} >= {"attention", "layer patterns", "hooks"}
-    assert {(id(owner), name) for owner, name in listed} == {_owner_and_name(key) for key in changed if key[0] != "hooks"}
+    changed_names = {_owner_and_name(key) for key in changed if key[0] != "hooks"}
+    assert {(id(owner), name) for owner, name in listed} == changed_names
 
 
 def _owner_and_name(key) -> tuple[int, str]:

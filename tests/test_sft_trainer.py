@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from trl import SFTConfig, SFTTrainer
 
 from llm_packing.batches.collator import DataCollatorWithPacking
-from llm_packing.errors import ContaminationError
 from llm_packing.data.pack import pack_dataset
+from llm_packing.errors import ContaminationError
 from llm_packing.hook.configure import configure_packing, unconfigure_packing
 
 
@@ -111,9 +111,9 @@ def test_trl_default_collator_on_packed_rows_is_contaminated(tmp_path):
 
 def test_stock_sft_trainer_on_a_configured_model_stops_before_the_first_step(tmp_path):
     """The design card's literal line with stock TRL: `configure_packing(model)`, then
-    `trl.SFTTrainer(model=model, train_dataset=pack_dataset(...))` with TRL's defaults. TRL's collator sends an all-ones
-    mask and no `position_ids`, so the configured model refuses the first batch, naming the fix, and no weight
-    moves."""
+    `trl.SFTTrainer(model=model, train_dataset=pack_dataset(...))` with TRL's defaults. TRL's collator sends an
+    all-ones mask and no `position_ids`, so the configured model refuses the first batch, naming the fix, and no
+    weight moves."""
     packed = pack_dataset(documents(), MAX_LENGTH)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY))
