@@ -12,6 +12,7 @@ forward: with it kept process-wide, gemma3_text on sdpa differed by up to 1.1 (i
 import copy
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -19,10 +20,11 @@ from test_flash_path import flash_model  # noqa: F401  (the fixture: transformer
 from tiny_models import PACKED_ROW_LENGTH, packed_batch, tiny_model
 
 from llm_packing import packing_configured
+from llm_packing.hook import documents, varlen
 
 
 THREADS = 3
-ROUNDS = 8
+ROUNDS = 12
 TOLERANCE = 1e-6  # the same batch through the same kernels: only a leak from another thread's forward moves it
 # Different layouts per thread: rows of different document counts and lengths, trailing padding in some.
 LAYOUTS = (
@@ -48,6 +50,19 @@ CASES = [
 FLASH_CASES = [(model_type, "flash_attention_2") for model_type in ("llama", "gemma3_text", "qwen3_5_text")]
 
 
+@pytest.fixture(autouse=True)
+def host_copies_release_the_interpreter(monkeypatch):
+    """On a GPU, the forward's device-to-host copy of the mask waits for the device with the interpreter released, so
+    another thread's forward runs in the middle of building this one's state. On CPU the copy holds it; let it go."""
+    copy_to_host = documents._to_host
+
+    def releasing(tensor):
+        time.sleep(0)
+        return copy_to_host(tensor)
+
+    monkeypatch.setattr(documents, "_to_host", releasing)
+
+
 def _batches():
     return [packed_batch(document_lengths=layout, row_length=PACKED_ROW_LENGTH, seed=seed)
             for seed, layout in enumerate(LAYOUTS)]
@@ -71,17 +86,19 @@ def _hammer(models, batches) -> list[float]:
         try:
             for _ in range(ROUNDS):
                 start.wait()
-                output = _logits(models[index], batches[index])
+                # Fresh tensors every round, as a data loader gives: per-forward state must follow the new mask.
+                output = _logits(models[index], {key: value.clone() for key, value in batches[index].items()
+                                                 if isinstance(value, torch.Tensor)})
                 differences[index] = max(differences[index], (output - expected[index]).abs().max().item())
         except BaseException as error:  # reported below: a thread's exception would otherwise vanish
             errors.append(error)
             start.abort()
 
     threads = [threading.Thread(target=run, args=(index,)) for index in range(len(batches))]
-    # Hand the interpreter from thread to thread every few microseconds (5 ms by default), so that the Python parts of
-    # concurrent forwards interleave as finely as a replica per GPU makes them.
+    # Hand the interpreter from thread to thread every microsecond (5 ms by default), so that the Python parts of
+    # concurrent forwards interleave finely, as when each thread waits on a GPU of its own.
     switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
+    sys.setswitchinterval(1e-6)
     try:
         for thread in threads:
             thread.start()
@@ -126,3 +143,42 @@ def test_concurrent_forwards_on_the_flash_attention_path(flash_model, model_type
     with packing_configured(model):
         differences = _hammer([model] * THREADS, _batches())
     assert max(differences) <= TOLERANCE, differences
+
+
+def test_a_forward_paused_while_building_its_layout_keeps_its_own(monkeypatch):
+    """One interleaving, forced: thread A stops in the middle of building its varlen layout; thread B builds its own;
+    A finishes; B's next layer asks again. Each gets the layout of its own mask every time (with the layouts of the
+    last mask kept process-wide, B reset them, A then stored its own into B's, and B's next layer read A's)."""
+    masks = {"A": torch.tensor([[1, 1, 1, 2, 2, 0]]), "B": torch.tensor([[1, 2, 2, 2, 3, 3]])}
+    expected = {name: varlen.PackedAttentionMask.from_indexed_mask(mask).cu_seqlens.tolist()
+                for name, mask in masks.items()}
+    building, resume = threading.Event(), threading.Event()
+    build = varlen.PackedAttentionMask.from_indexed_mask.__func__
+
+    def pausing_build(cls, attention_mask, **options):
+        if threading.current_thread().name == "A":
+            building.set()
+            assert resume.wait(10)
+        return build(cls, attention_mask, **options)
+
+    monkeypatch.setattr(varlen.PackedAttentionMask, "from_indexed_mask", classmethod(pausing_build))
+    seen = {"A": [], "B": []}
+    b_first_layer_done, b_next_layer = threading.Event(), threading.Event()
+
+    def forward(name):
+        seen[name].append(varlen.packed_attention_mask(masks[name]).cu_seqlens.tolist())
+        if name == "B":  # B's next layer comes once A has finished building
+            b_first_layer_done.set()
+            assert b_next_layer.wait(10)
+            seen[name].append(varlen.packed_attention_mask(masks[name]).cu_seqlens.tolist())
+
+    threads = {name: threading.Thread(target=forward, args=(name,), name=name) for name in masks}
+    threads["A"].start()
+    assert building.wait(10)
+    threads["B"].start()
+    assert b_first_layer_done.wait(10)
+    resume.set()
+    threads["A"].join()
+    b_next_layer.set()
+    threads["B"].join()
+    assert seen == {"A": [expected["A"]], "B": [expected["B"]] * 2}
