@@ -59,8 +59,8 @@ class DataCollatorWithPacking(DataCollatorMixin):
     ```python
     >>> from llm_packing.batches.collator import DataCollatorWithPacking
     >>> collator = DataCollatorWithPacking(pad_token_id=0, check_model_configured=False)
-    >>> batch = collator([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths":
-    [2]}])
+    >>> batch = collator([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]},
+    ...                   {"input_ids": [6, 7], "seq_lengths": [2]}])
     >>> batch["input_ids"]
     tensor([[1, 2, 3, 4, 5],
             [6, 7, 0, 0, 0]])

@@ -125,7 +125,7 @@ def load_demo_tokenizer():
     >>> tokenizer.encode("Hello world", add_special_tokens=False)
     [22557, 1526]
     >>> tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
-    tokenize=False)
+    ...                               tokenize=False)
     '<s>[INST] Hi [/INST] Hello</s>'
 
     ```

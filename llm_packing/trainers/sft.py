@@ -71,7 +71,7 @@ class PackedSFTTrainer(SFTTrainer):
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     >>> args = SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False)
     >>> trainer = PackedSFTTrainer(model=model, args=args, train_dataset=packed,
-    processing_class=load_demo_tokenizer())
+    ...                            processing_class=load_demo_tokenizer())
     >>> batch = trainer.data_collator([packed[0], packed[1]])
     >>> batch["attention_mask"]
     tensor([[1, 1, 1, 2],
