@@ -85,7 +85,7 @@ def test_report_schema(saved, tmp_path, capsys):
     assert set(route["logits"]) == set(route["gradients"]) == COMPARISON_KEYS
 
 
-def test_refused_model_type(tmp_path, capsys):
+def test_refused_model_type(tmp_path, monkeypatch, capsys):
     """bert's causal-LM class: an encoder family the hook refuses; the verdict is the refusal and its reason."""
     BertLMHeadModel(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, is_decoder=True)).save_pretrained(tmp_path / "bert")
@@ -93,6 +93,12 @@ def test_refused_model_type(tmp_path, capsys):
     assert code == 1
     assert out.startswith("refused: Packing cannot isolate documents for model_type 'bert': an encoder family")
     assert read(tmp_path / "report.json")["routes"][0]["status"] == "refused"
+    without_flex = tuple(route for route in verify_routes.ALL_ROUTES if route[0] != "flex_attention")
+    monkeypatch.setattr(verify_routes, "ALL_ROUTES", without_flex)
+    code, out, _ = run(["--model", str(tmp_path / "bert"), "--all-backends"], capsys)
+    assert code == 1
+    assert out.startswith("refused: eager, sdpa/varlen, sdpa/dense; unavailable: flash_attention_2, "
+                          "flash_attention_3; eager: Packing cannot isolate documents for model_type 'bert'")
 
 
 def test_hook_left_off_is_contaminated(saved, tmp_path, monkeypatch, capsys):
@@ -161,6 +167,7 @@ def test_recipe_with_model_config(capsys):
     (["--model", "x", "--max_length", "8"], "--max_length must be at least 16"),
     (["--config", "no/such/recipe.yaml"], "cannot be read"),
     (["--model", "x", "--device", "nowhere"], "--device 'nowhere' cannot be used here"),
+    (["--model", "x", "--report", "no/such/folder/r.json"], "is in a folder that does not exist"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as caught:

@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def verdict_line(report: dict) -> str:
-    """`exact: logits max |packed - alone| 1e-07 <= limit 0.0001 (margin 1e+03x); ... (llama, float32, sdpa/varlen,
-    cpu)`; over several routes, the worst route's numbers and the others by status."""
+    """One route: `exact: logits max |packed - alone| 1.71e-07 <= limit 0.0001 (margin 583.6x); gradients ... (llama,
+    float32, cpu, sdpa/varlen)`. Several: the routes by status, then the numbers of the one closest to its limit (or
+    the reason of the first that did not run, when none ran)."""
     routes = report["routes"]
     where = f"{report['model']['model_type']}, {report['dtype']}, {report['device']['type']}"
     if len(routes) == 1:
@@ -124,7 +125,10 @@ def verdict_line(report: dict) -> str:
     for entry in sorted(routes, key=lambda entry: entry["status"] != report["verdict"]):
         by_status.setdefault(entry["status"], []).append(entry["route"])
     counts = "; ".join(f"{status}: {', '.join(names)}" for status, names in by_status.items())
-    closest = f"; closest to its limit: {verify_routes.describe(worst)}" if worst else ""
+    if worst:
+        closest = f"; closest to its limit: {verify_routes.describe(worst)}"
+    else:
+        closest = f"; {routes[0]['route']}: {routes[0]['reason']}"
     return f"{counts}{closest} ({where})"
 
 
@@ -173,6 +177,8 @@ def _settings(parser, args) -> SimpleNamespace:
     route = args.attention_route or recipe.get("attention_route")
     if route is not None and route not in ROUTES:
         parser.error(f"attention_route {route!r} (from the recipe) is not one of {', '.join(ROUTES)}.")
+    if args.report and not os.path.isdir(os.path.dirname(os.path.abspath(args.report))):
+        parser.error(f"--report {args.report!r} is in a folder that does not exist; create it first.")
     if args.max_length < 16:
         parser.error(f"--max_length must be at least 16 (three rows of documents), got {args.max_length}.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
