@@ -39,7 +39,9 @@ DEFAULT_COLUMNS = 128
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-packing verify", allow_abbrev=False,
-                                     description=__doc__.split("\n")[0].split(": ", 1)[1])
+                                     description=__doc__.split("\n")[0].split(": ", 1)[1],
+                                     epilog="Exit status: 0 exact; 1 contaminated, refused or a route failed; 2 the "
+                                     "command could not run (bad flags, a model that does not load).")
     add = parser.add_argument
     add("--model", "--model_name_or_path", dest="model",
         help=f"Hub id, local checkpoint folder, or {BUNDLED_MODEL_NAME!r} (the bundled SmolLM2-135M-Instruct).")
