@@ -12,7 +12,6 @@ next document's first one.
 """
 
 import functools
-import logging
 import types
 from dataclasses import dataclass
 
@@ -27,11 +26,8 @@ from ..errors import (
     SequenceTooLongError,
     UnsupportedSetupError,
 )
-from ..hook.configure import configure_packing, is_packing_configured
-from ..hook.verify import verify_packing
-
-
-logger = logging.getLogger(__name__)
+from ..hook.configure import is_packing_configured
+from ..hook.verify import configure_and_verify
 
 
 # Per-token fields of TRL's `FusedCausalLMOutput`, each `(batch, length - 1)`, zero where the label is -100.
@@ -212,15 +208,10 @@ def pack_trainer_models(trainer, *, max_length: int | None, verify: bool) -> Non
     if getattr(trainer, "ref_model", None) is not None:
         models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
     for model in models:
-        configure_packing(model)
         # TRL adds the fused head to the model under PEFT's wrapper.
         pack_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
                            max_length=max_length)
-    if not verify:
-        logger.info("isolation not verified (`verify_packing` off)")
-        return
-    difference = verify_packing(models[0])
-    logger.info("isolation verified: packed logits equal per-document logits (max abs diff %.2g)", difference)
+    configure_and_verify(models, verify=verify)
 
 
 def next_token_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ pick in the padded batch (the rightmost token that is not `pad_token_id`). The l
 """
 
 import functools
-import logging
 
 import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -17,11 +16,8 @@ from trl import RewardTrainer
 
 from ..batches.padded_forward import PackedLayout, pack_padded_batch
 from ..errors import ContaminationError, PackingValueError, UnsupportedSetupError
-from ..hook.configure import configure_packing, is_packing_configured
-from ..hook.verify import verify_packing as check_isolation
-
-
-logger = logging.getLogger(__name__)
+from ..hook.configure import is_packing_configured
+from ..hook.verify import configure_and_verify
 
 
 class PackedRewardTrainer(RewardTrainer):
@@ -44,14 +40,11 @@ class PackedRewardTrainer(RewardTrainer):
     def __init__(self, model, args=None, *positional, verify_packing: bool = True, **kwargs):
         super().__init__(model, args, *positional, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
-        configure_packing(model)
         scorer = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the head model
         pack_sequence_scores(scorer)
-        if not verify_packing:
-            logger.info("isolation not verified (`verify_packing` off)")
-            return
-        difference = check_isolation(getattr(scorer, scorer.base_model_prefix))
-        logger.info("isolation verified: packed hidden states equal per-document ones (max abs diff %.2g)", difference)
+        # The backbone's hidden states are what the head scores: verified there.
+        configure_and_verify(model, verify=verify_packing, checked=getattr(scorer, scorer.base_model_prefix),
+                             compared="hidden states")
 
 
 def pack_sequence_scores(model, *, max_length: int | None = None):
