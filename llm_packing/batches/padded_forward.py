@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.binpack import pack_sequences
+from ..core.rows import position_ids, segment_aranges
 from ..errors import (
     ContaminationError,
     PackingTypeError,
@@ -126,9 +127,8 @@ def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     padded_index, packed_index, document_ids, positions = [], [], [], []
     for row, members in enumerate(bins):
         member_lengths = lengths[members]
-        offsets = np.repeat(np.cumsum(member_lengths) - member_lengths, member_lengths)
-        within = np.arange(int(member_lengths.sum())) - offsets
-        padded_index.append(np.repeat(members * attention_mask.shape[1] + starts[members], member_lengths) + within)
+        within = position_ids(member_lengths)
+        padded_index.append(segment_aranges(members * attention_mask.shape[1] + starts[members], member_lengths))
         packed_index.append(row * width + np.arange(len(within)))
         document_ids.append(np.repeat(np.arange(1, len(members) + 1), member_lengths))
         positions.append(within)
