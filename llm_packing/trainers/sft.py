@@ -77,6 +77,8 @@ class PackedSFTTrainer(SFTTrainer):
     >>> batch["labels"]
     tensor([[-100,    6,    7, -100],
             [-100,    9, -100, -100]])
+    >>> from llm_packing import unconfigure_packing
+    >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
     ```
     """
