@@ -9,12 +9,14 @@ file written with another column layout is never read as this one.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
 import mmap
 import os
+import re
 import tempfile
 import threading
 
@@ -138,6 +140,38 @@ def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
     return datasets.table.MemoryMappedTable(table, path)
 
 
+# A packed file is written under a temporary name holding the writer's process id, renamed once complete.
+_TEMPORARY_PREFIX = "tmp-llm_packing-"
+_TEMPORARY_NAME = re.compile(rf"{_TEMPORARY_PREFIX}(\d+)-")
+
+
+def remove_orphaned_temporaries(directory: str) -> list[str]:
+    """
+    Remove the temporary files of packed writes whose process is gone (killed mid-write, e.g. by SIGKILL or the OOM
+    killer, which leaves no chance to clean up): a half-written file is never taken for a cache file, since only a
+    complete one is renamed to its cache name, but it would keep its disk space. Returns the paths removed.
+    """
+    removed = []
+    for name in os.listdir(directory):
+        match = _TEMPORARY_NAME.match(name)
+        if match and not _process_alive(int(match.group(1))):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class PackedWriter:
     """
     Collects the packed rows chunk by chunk: each chunk is written to `target.path` (through a temporary file, renamed
@@ -170,7 +204,8 @@ class PackedWriter:
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            remove_orphaned_temporaries(directory)
+            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix=f"{_TEMPORARY_PREFIX}{os.getpid()}-")
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)
