@@ -7,6 +7,7 @@ forwards of at most 3 x 16 tokens. `measure_packing` is the same comparison on a
 compare the gradients of a per-document loss too (`llm-packing verify` runs it).
 """
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ import torch
 
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+
+
+logger = logging.getLogger(__name__)
 
 
 # Limits when the model computes each document alone and in a batch identically (float32 on tiny models, eager).
@@ -272,3 +276,27 @@ def _forward(model, input_ids, attention_mask=None, position_ids=None) -> tuple[
 def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
     """The model's logits, or a base model's (a reward model's backbone) last hidden states."""
     return _forward(model, input_ids, attention_mask, position_ids)[0]
+
+
+def configure_and_verify(
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = ""
+) -> float | None:
+    """
+    What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
+    then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
+    states), logging the outcome (`where` prefixes the line, e.g. `"[rank 0/2] "`).
+
+    Returns the difference `verify_packing` measured, or `None` when `verify` is off.
+    """
+    from .configure import configure_packing
+
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    for model in models:
+        configure_packing(model)
+    if not verify:
+        logger.info("%sisolation not verified (`verify_packing` off)", where)
+        return None
+    difference = verify_packing(models[0] if checked is None else checked)
+    logger.info("%sisolation verified: packed %s equal per-document %s (max abs diff %.2g)", where, compared, compared,
+                difference)
+    return difference
