@@ -18,6 +18,7 @@ import re
 
 from ..._compat import MASK_BUILDER_NAMES
 from ...errors import UnsupportedSetupError
+from .image_text import PROVEN_IMAGE_TEXT_TYPES
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
 from .table import REFUSED_BACKENDS, REFUSED_CANDIDATES, SDPA_DENSE_MODEL_TYPES, VERIFIED_MODEL_TYPES
 
@@ -183,6 +184,12 @@ def require_supported(config) -> None:
     model_type = causal_lm_model_type(config)
     reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
     backend = getattr(config, "_attn_implementation", None)
+    if reason is not None and getattr(config, "model_type", None) in PROVEN_IMAGE_TEXT_TYPES:
+        # An image-text model without a causal LM entry (llava, qwen2_5_vl, ...): the image-text matrix proved it.
+        model_type, reason = config.model_type, None
+        proven = PROVEN_IMAGE_TEXT_TYPES[model_type].backends
+        if backend is not None and backend not in proven:
+            reason = f"the image-text parity matrix proved it on {', '.join(proven)}, not on backend {backend!r}"
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
     if reason is None and model_type not in _mixer_model_types() and (stateful := non_attention_layer_types(config)):
