@@ -49,6 +49,14 @@ def install(model: torch.nn.Module) -> None:
         cross_attention.install(base)
 
 
+def causal_through_token_types(config) -> bool:
+    """Whether the model's text attention layers are not causal by themselves (`use_bidirectional_attention=True`,
+    PaliGemma's prefix-LM): its `token_type_ids` (0 prefix, 1 suffix) make the mask causal. Without them transformers
+    attends a document causally on eager but bidirectionally on sdpa (the causal mask is skipped), so a packed batch
+    of such a model must carry them; text documents are suffix (1)."""
+    return getattr(config.get_text_config(), "use_bidirectional_attention", None) is True
+
+
 def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, media):
     attention_mask = kwargs.get("attention_mask")
     if not is_integer_mask(attention_mask) or not attention_mask.numel():
@@ -58,7 +66,16 @@ def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, med
     documents = documents_of(attention_mask, flat_positions)
     if not documents.is_packed:
         return None
-    given = {name: kwargs[name] for name in media if kwargs.get(name) is not None}
+    if causal_through_token_types(config) and kwargs.get("token_type_ids") is None:
+        raise PackingValueError(
+            f"A packed batch of model_type {model_type!r} came without `token_type_ids`: its text attention is causal "
+            "only through them (0 on the image and prompt, attended both ways; 1 on the suffix), and without them "
+            "transformers attends a document causally on eager but bidirectionally on sdpa. Pass the processor's "
+            "`token_type_ids` (all 1 for a text-only document)."
+        )
+    # Tensors (or lists of them); a model's settings passed along with them (`vision_aspect_ratio="anyres_max_9"`)
+    # are not media.
+    given = {name: kwargs[name] for name in media if isinstance(kwargs.get(name), (torch.Tensor, list, tuple))}
     if given:
         require_images_supported(model_type, config._attn_implementation)
         _refuse_media_not_packed(given)

@@ -3,12 +3,15 @@
 `verify_packing` runs a tiny packed batch (two rows, three documents, trailing padding) and each document alone through
 the model, and compares the logits of every real token. The limit is calibrated on the model's own floating-point
 noise in its dtype, measured by one more forward that needs no isolation at all (see `verify_packing`). Cost: five
-forwards of at most 3 x 16 tokens.
+forwards of at most 3 x 16 tokens. Given the processor of an image-text model, it also packs a document with two images
+between two text documents (`hook.verify_images`): two more forwards.
 """
 
 import torch
 
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+from .image_text import causal_through_token_types
+from .verify_images import image_row_difference
 
 
 # Limits when the model computes each document alone and in a batch identically (float32 on tiny models, eager).
@@ -23,7 +26,7 @@ LENGTHS = (9, 7, 11)
 COLUMNS = 16
 
 
-def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
+def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor=None) -> float:
     """
     Check that a packed batch gives the same logits as its documents run one by one.
 
@@ -45,6 +48,10 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
             Largest accepted absolute logit difference, used as given instead of the calibrated limit.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the random token ids.
+        processor ([`~transformers.ProcessorMixin`], *optional*):
+            The image-text model's own processor. If given, a packed row also holds a document with two images of
+            different shapes between two text documents (placeholders, pixels and grids as the processor makes
+            them), checked the same way; without it only text documents are checked.
 
     Returns:
         `float`: the largest absolute logit difference found.
@@ -52,7 +59,8 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
     Raises:
         `ContaminationError`: the difference exceeds the limit, i.e. documents attend across their boundaries.
 
-    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16).
+    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16);
+    with a `processor`, two more: the row with images and its image document alone.
     """
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise PackingTypeError(
@@ -81,10 +89,14 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
             packed = _logits(model, input_ids, attention_mask, position_ids)
             alone = [_logits(model, document[None])[0] for document in documents]
             followed = _logits(model, followed_ids) if atol is None else None
+            with_images = None if processor is None else image_row_difference(
+                model, processor, documents[:2], alone[:2], seed, _model_logits
+            )
     finally:
         model.train(was_training)
     packed_documents = [packed[0, :9], packed[0, 9:], packed[1, :11]]
     difference = max((p - a).abs().max().item() for p, a in zip(packed_documents, alone, strict=True))
+    difference = difference if with_images is None else max(difference, with_images)
     if atol is None:
         floor = max((followed[k, : len(a)] - a).abs().max().item() for k, a in enumerate(alone))
         base = BASE_ATOL.get(parameter.dtype, HALF_BASE_ATOL)
@@ -106,13 +118,34 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
 def _random_documents(config, lengths, seed, device) -> list[torch.Tensor]:
     vocab_size = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids, where special tokens (pad, bos, eos, image placeholders) usually live.
-    low, high = min(10, vocab_size - 1), vocab_size
-    return [torch.randint(low, high, (n,), generator=generator).to(device) for n in lengths]
+    # Skip the lowest ids, where special tokens (pad, bos, eos) usually live, and every token id the config names
+    # (an image placeholder in a text document would be an image without pixels).
+    low = min(10, vocab_size - 1)
+    allowed = torch.arange(low, vocab_size)
+    allowed = allowed[~torch.isin(allowed, torch.tensor(sorted(_named_token_ids(config)), dtype=torch.long))]
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=generator)].to(device) for n in lengths]
+
+
+def _named_token_ids(config) -> set[int]:
+    """The token ids a config (and its text config) names: `*_token_id`, `*_token_index`."""
+    named = set()
+    for part in (config, getattr(config, "text_config", None)):
+        for name, value in (vars(part) if part is not None else {}).items():
+            if name.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+                named.add(value)
+    return named
 
 
 def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    # PaliGemma's text is causal only through `token_type_ids`: text documents are suffix (1).
+    token_types = {"token_type_ids": torch.ones_like(input_ids)} if causal_through_token_types(model.config) else {}
+    return _model_logits(
+        model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **token_types
+    )
+
+
+def _model_logits(model, **inputs) -> torch.Tensor:
     """The model's logits, or a base model's (a reward model's backbone) last hidden states."""
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    output = model(**inputs, use_cache=False)
     logits = getattr(output, "logits", None)
     return (output.last_hidden_state if logits is None else logits).float()

@@ -213,6 +213,11 @@ def sdpa_route(config) -> tuple[str, str | None]:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "index_topk", None) is not None:
         return "dense", "its sparse key indexer reads the dense mask itself"
+    if getattr(text_config, "use_bidirectional_attention", None) is True:
+        return "dense", (
+            "its text attention layers are not causal (`use_bidirectional_attention`, PaliGemma's prefix-LM): only "
+            "the mask makes them causal"
+        )
     return "varlen", None
 
 
