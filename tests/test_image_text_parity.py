@@ -1,14 +1,14 @@
 """The image-text parity matrix: packed rows of image-text documents give, for every document, exactly the logits it
 gives alone (max abs difference <= 1e-5, float32), for every proven type and backend.
 
-The fixed layout (`DOCUMENTS`, `ROWS`): two rows of three documents with 0, 1 and 2 images of different sizes (real
-photos, matplotlib's sample data), and trailing padding in both rows. The reference runs each document alone through
-the model's normal path (its processor output, a mask of ones; the model computes its own positions). Randomized
-layouts (seed printed) add rows of 1 to 5 documents, one-word documents, rows without padding. Image sensitivity:
-replacing one document's pixels by noise moves that document's logits and no other's, so the matrix cannot pass with
-images that do not matter. Negative controls show each mechanism is needed: transformers' own packed path, mRoPE
-positions over the whole row or 2-D text positions on image tokens, Gemma 3's image blocks not split per document,
-the old mask-function route, Mllama without its cross-attention bound.
+Backends: eager, sdpa on its varlen route (`auto`) and its dense route, and flex_attention wherever transformers
+offers it (elsewhere the test checks that transformers refuses it). The fixed layout (`DOCUMENTS`, `ROWS`): two rows
+of three documents with 0, 1 and 2 images of different sizes (real photos, matplotlib's sample data), and trailing
+padding in both rows. The reference runs each document alone through the model's normal path (its processor output,
+a mask of ones; the model computes its own positions). Randomized layouts (seed printed) add rows of 1 to 5
+documents, one-word documents, rows without padding. Image sensitivity: replacing one document's pixels by noise
+moves that document's logits and no other's, so the matrix cannot pass with images that do not matter. The negative
+controls are in tests/test_image_text_controls.py.
 
 `CORE` (sdpa, both routes) runs in every CI pass; the rest is marked `slow`.
 """
@@ -41,7 +41,7 @@ DOCUMENTS = (
 ROWS = ((0, 1, 2), (3, 4, 5))
 PADDING = 3
 CORE = ("qwen2_5_vl", "qwen3_5", "gemma3", "llava", "idefics3", "mllama")
-BACKENDS = (("eager", "auto"), ("sdpa", "auto"), ("sdpa", "dense"))
+BACKENDS = (("eager", "auto"), ("sdpa", "auto"), ("sdpa", "dense"), ("flex_attention", "auto"))
 MATRIX = [
     pytest.param(t, backend, route, marks=() if t in CORE and backend == "sdpa" else pytest.mark.slow)
     for t in SPECS for backend, route in BACKENDS
@@ -107,8 +107,20 @@ def differences(case: Case, logits, references) -> list[float]:
             for row, start, length, index in case.spans]
 
 
+@pytest.fixture
+def static_flex_compile():
+    """As in tests/test_parity.py: compiled flex_attention on CPU fails to build its kernel once dynamo recompiles
+    with dynamic shapes; static shapes compile."""
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
+
+
 @pytest.mark.parametrize(("model_type", "backend", "route"), MATRIX)
-def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypatch):
+def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypatch, static_flex_compile):
+    if backend not in PROVEN_IMAGE_TEXT_TYPES[model_type].backends:
+        with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
+            TinyImageText(model_type, backend)
+        return
     case = make_case(model_type, backend)
     calls = {}
     _count(calls, monkeypatch, varlen, "packed_sdpa_attention")

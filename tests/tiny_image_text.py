@@ -79,6 +79,8 @@ class PixtralStandIn:
     """PixtralProcessor's placeholder expansion (its `replace_image_token`, copied): the class itself cannot be
     imported without torchvision (processing_pixtral imports a helper of the torchvision image processor)."""
 
+    image_token = "[IMG]"
+
     def __init__(self, image_processor, tokenizer, patch_size, spatial_merge_size):
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.step = patch_size * spatial_merge_size

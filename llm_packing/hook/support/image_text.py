@@ -29,26 +29,27 @@ IMAGE_TEXT_BACKENDS = ("eager", "sdpa", "flex_attention")
 @dataclass(frozen=True)
 class ImageTextSupport:
     """A proven image-text type: its `family` (one of the mechanisms above) and the attention `backends` the parity
-    matrix proved it on (sdpa on its varlen and dense routes)."""
+    matrix proved it on (sdpa on its varlen and dense routes; flex_attention wherever transformers offers it)."""
 
     family: str
     backends: tuple[str, ...] = ("eager", "sdpa")
 
 
+_WITH_FLEX = ("eager", "sdpa", "flex_attention")
+# transformers offers no flex_attention for qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe and glm4v.
 _MROPE = ImageTextSupport(MROPE)
-_BLOCKS = ImageTextSupport(IMAGE_BLOCKS)
-_TOKENS = ImageTextSupport(IMAGE_TOKENS)
 
 # Proven by tests/test_image_text_parity.py (CPU, float32, tolerance 1e-5). Edit only together with a passing matrix.
 PROVEN_IMAGE_TEXT_TYPES: dict[str, ImageTextSupport] = {
-    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"), _MROPE),
-    **dict.fromkeys(("gemma3", "gemma4", "paligemma"), _BLOCKS),
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "glm4v"), _MROPE),
+    "qwen3_vl_moe": ImageTextSupport(MROPE, _WITH_FLEX),
+    **dict.fromkeys(("gemma3", "gemma4", "paligemma"), ImageTextSupport(IMAGE_BLOCKS, _WITH_FLEX)),
     **dict.fromkeys(
         ("llava", "llava_next", "llava_onevision", "vipllava", "idefics2", "idefics3", "smolvlm", "internvl",
          "mistral3", "aya_vision"),
-        _TOKENS,
+        ImageTextSupport(IMAGE_TOKENS, _WITH_FLEX),
     ),
-    "mllama": ImageTextSupport(CROSS_ATTENTION),
+    "mllama": ImageTextSupport(CROSS_ATTENTION, _WITH_FLEX),
 }
 
 
