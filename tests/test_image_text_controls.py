@@ -21,7 +21,9 @@ def test_transformers_own_packed_path_leaks(model_type, leak):
     case = make_case(model_type, "sdpa")
     with torch.no_grad():
         logits = case.model(**case.inputs(attention_mask=None), use_cache=False).logits
-    assert max(differences(case, logits, alone_logits(case.model, case.documents))) > leak
+    measured = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    print(f"control transformers' packed path {model_type}: {measured:.2e}")
+    assert measured > leak
 
 
 def test_transformers_own_packed_path_on_image_tokens_leaks_with_a_cache():
@@ -32,8 +34,9 @@ def test_transformers_own_packed_path_on_image_tokens_leaks_with_a_cache():
     with torch.no_grad():
         without = case.model(**case.inputs(attention_mask=None), use_cache=False).logits
         with_cache = case.model(**case.inputs(attention_mask=None), use_cache=True).logits
-    assert max(differences(case, without, references)) <= TOLERANCE
-    assert max(differences(case, with_cache, references)) > 0.1
+    measured = max(differences(case, without, references)), max(differences(case, with_cache, references))
+    print(f"control transformers' packed path llava without / with a cache: {measured[0]:.2e} / {measured[1]:.2e}")
+    assert measured[0] <= TOLERANCE and measured[1] > 0.1
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v"])
@@ -43,7 +46,9 @@ def test_text_positions_on_image_tokens_mis_position(model_type):
     case = make_case(model_type, "sdpa")
     flat = case.batch["position_ids"]
     logits = packed_logits(case, position_ids=flat.unsqueeze(0).repeat(4, 1, 1))
-    assert max(differences(case, logits, alone_logits(case.model, case.documents))) > 1e-3
+    measured = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    print(f"control text positions on image tokens {model_type}: {measured:.2e}")
+    assert measured > 1e-3
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
@@ -67,6 +72,7 @@ def test_mrope_over_the_whole_row_mis_positions(model_type):
     assert all(shift > 0 for shift, first in zip(shifts, firsts, strict=True) if not first), shifts
     drift = max(differences(case, packed_logits(case, position_ids=torch.cat([per_document[:1], whole_row])),
                             alone_logits(case.model, case.documents)))
+    print(f"control mRoPE over the whole row {model_type}: shifts {shifts}, logits {drift:.2e}")
     assert drift < 1e-4, drift  # the mis-position is invisible here: a test of logits alone would not catch it
 
 
@@ -91,7 +97,9 @@ def test_mask_functions_in_document_coordinates_leak(model_type, monkeypatch):
     case = make_case(model_type, "sdpa")
     monkeypatch.setattr(mask_functions, "carries_mask_functions", lambda arguments: False)
     logits = packed_logits(case, route="dense")
-    assert max(differences(case, logits, alone_logits(case.model, case.documents))) > 0.1
+    measured = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    print(f"control mask functions in document coordinates {model_type}: {measured:.2e}")
+    assert measured > 0.1
 
 
 def touching_images(tiny: TinyImageText) -> Case:
@@ -150,8 +158,9 @@ def test_image_blocks_touching_across_documents_stay_apart(backend, monkeypatch)
 
     monkeypatch.setattr(mask_functions, "document_block_ids", lambda block_ids, document_ids: block_ids)
     logits, masks = _masks_seen(case)
-    assert max(differences(case, logits, references)) > 0.1
-    assert _cross_document_pairs(masks["full_attention"], ids) > 0
+    measured = max(differences(case, logits, references)), _cross_document_pairs(masks["full_attention"], ids)
+    print(f"control block ids not split {backend}: {measured[0]:.2e}, {measured[1]} cross-document pairs")
+    assert measured[0] > 0.1 and measured[1] > 0
 
 
 def test_cross_attention_without_its_document_bound_leaks(monkeypatch):
@@ -159,4 +168,6 @@ def test_cross_attention_without_its_document_bound_leaks(monkeypatch):
     left out): text before a document's first image, and documents without images, read other documents' images."""
     case = make_case("mllama", "sdpa")
     monkeypatch.setattr(cross_attention, "install", lambda base_model: None)
-    assert max(differences(case, packed_logits(case), alone_logits(case.model, case.documents))) > 1e-2
+    measured = max(differences(case, packed_logits(case), alone_logits(case.model, case.documents)))
+    print(f"control mllama without its cross-attention bound: {measured:.2e}")
+    assert measured > 1e-2

@@ -165,6 +165,16 @@ def test_mrope_positions_of_three_rows_are_refused():
     refused_before_any_layer(case, PackingValueError, r"`position_ids` of shape \(3, 2, \d+\)", position_ids=positions)
 
 
+def test_mrope_positions_that_do_not_restart_per_document_are_refused():
+    """The 2-D positions an mRoPE model's pre-hook replaces are checked first, as the mask builder checks them."""
+    from llm_packing.errors import ContaminationError
+
+    case = make_case("qwen2_5_vl", "sdpa")
+    row_positions = torch.arange(case.batch["input_ids"].shape[1]).expand_as(case.batch["input_ids"])
+    refused_before_any_layer(case, ContaminationError, "must restart at 0 for every document",
+                             position_ids=row_positions)
+
+
 def test_paligemma_without_token_type_ids_is_refused():
     case = make_case("paligemma", "sdpa")
     refused_before_any_layer(case, PackingValueError, "without `token_type_ids`", token_type_ids=None)
@@ -187,3 +197,37 @@ def test_mllama_cross_attention_over_the_row_is_refused():
     )
     refused_before_any_layer(case, PackingValueError, "several documents .* see the same image slot",
                              cross_attention_mask=torch.from_numpy(over_row))
+
+
+# Mask builder calls --------------------------------------------------------------------------------------------------
+
+
+def test_a_chunked_builder_call_with_mask_functions_is_refused():
+    """Chunks count from the document start: row-level mask functions cannot be combined with them."""
+    import inspect
+
+    from transformers import AutoConfig, masking_utils
+
+    from llm_packing.hook.mask_functions import build_with_mask_functions
+
+    builder = masking_utils.create_chunked_causal_mask
+    config = AutoConfig.for_model("llama4_text")
+    mask = torch.tensor([[1, 1, 2, 2]])
+    bound = inspect.signature(builder).bind(config, torch.zeros(1, 4, 8), mask, None,
+                                            or_mask_function=lambda *indices: True)
+    with pytest.raises(UnsupportedSetupError, match="chunked-attention mask builder received mask functions"):
+        build_with_mask_functions(builder, bound, mask)
+
+
+def test_a_mask_the_hook_prepared_passes_through_a_second_builder_call():
+    """A wrapper model (PaliGemma) hands the mask the hook built to its text model, whose builder call returns it
+    unchanged, on the varlen route too."""
+    from transformers import AutoConfig, masking_utils
+
+    from llm_packing.hook.varlen import PackedAttentionMask
+
+    config = AutoConfig.for_model("llama")
+    config._attn_implementation = "sdpa"
+    prepared = PackedAttentionMask.from_indexed_mask(torch.tensor([[1, 1, 2, 0]]))
+    with packing_configured(config):
+        assert masking_utils.create_causal_mask(config, torch.zeros(1, 4, 8), prepared, None) is prepared

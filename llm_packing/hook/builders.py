@@ -64,7 +64,7 @@ def _wrap_builder(original):
         if not is_integer_mask(attention_mask):
             _refuse_float_document_ids(attention_mask)
             return original(*args, **kwargs)
-        if not _check_documents(attention_mask, arguments.get("position_ids")):
+        if not check_documents(attention_mask, arguments.get("position_ids")):
             return original(*args, **kwargs)
         config = arguments["config"]
         if arguments.get(cache_name) is not None:
@@ -134,7 +134,7 @@ def _refuse_float_document_ids(attention_mask) -> None:
         )
 
 
-def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
+def check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
     """Whether the mask is indexed (some id > 1); the ids and positions are checked once per forward, from the host
     copy every part of the hook shares (`hook.documents`)."""
     # While decoding with a KV cache, `position_ids` cover only the new tokens (generation, e.g. GRPO's rollouts).

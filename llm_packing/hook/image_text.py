@@ -19,6 +19,7 @@ import torch
 
 from ..errors import PackingValueError, UnsupportedSetupError
 from . import cross_attention, registry
+from .builders import check_documents
 from .documents import documents_of
 from .guards import input_module
 from .masks import is_integer_mask
@@ -63,9 +64,10 @@ def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, med
         return None
     position_ids = kwargs.get("position_ids")
     flat_positions = position_ids if position_ids is not None and position_ids.dim() == 2 else None
-    documents = documents_of(attention_mask, flat_positions)
-    if not documents.is_packed:
+    # The ids, and 2-D positions restarting per document: an mRoPE model's are replaced below, so checked here.
+    if not check_documents(attention_mask, flat_positions):
         return None
+    documents = documents_of(attention_mask)
     if causal_through_token_types(config) and kwargs.get("token_type_ids") is None:
         raise PackingValueError(
             f"A packed batch of model_type {model_type!r} came without `token_type_ids`: its text attention is causal "
