@@ -129,10 +129,13 @@ def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypat
     worst = max(differences(case, logits, alone_logits(case.model, case.documents)))
     print(f"parity {model_type} {backend} {route}: {worst:.2e}")
     assert worst <= TOLERANCE, (model_type, backend, route, worst)
-    if backend == "sdpa":
-        # auto: the varlen route, except where mask functions (image blocks) need the dense mask; dense: never varlen.
-        varlen_expected = route == "auto" and PROVEN_IMAGE_TEXT_TYPES[model_type].family != IMAGE_BLOCKS
-        assert (calls["packed_sdpa_attention"] > 0) == varlen_expected, calls
+    if backend == "sdpa" and route == "dense":
+        assert calls["packed_sdpa_attention"] == 0 and calls["sdpa_mask"] > 0, calls
+    elif backend == "sdpa" and PROVEN_IMAGE_TEXT_TYPES[model_type].family == IMAGE_BLOCKS:
+        # Layers whose masks carry image blocks take the dense mask; Gemma 4's full layers (no blocks) take varlen.
+        assert calls["sdpa_mask"] > 0, calls
+    elif backend == "sdpa":
+        assert calls["packed_sdpa_attention"] > 0, calls
 
 
 def _count(calls, monkeypatch, module, name) -> None:
@@ -193,6 +196,10 @@ def random_layout(seed: int, model_type: str):
     and 0 to 4 tokens of padding (0: the longest row is full)."""
     rng = random.Random(seed)
     sizes = ((28, 28), (56, 56), (56, 84), (84, 56), (112, 56), (56, 168), (140, 84))
+    if model_type == "mistral3":
+        # transformers' Mistral3 fails on a document whose only image gives one token (28 px: `squeeze(0)` drops
+        # the token axis in `get_image_features`), alone as well as packed.
+        sizes = sizes[1:]
     max_images = 1 if model_type == "paligemma" else 3
     documents, rows = [], []
     for _ in range(2):
