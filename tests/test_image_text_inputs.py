@@ -81,10 +81,14 @@ def test_mllama_documents_see_only_their_own_image_slots():
     ([{"input_ids": torch.ones(2, 2, dtype=torch.long)}], [[0]], 4, PackingValueError, "one document per entry"),
     ([{"input_ids": torch.ones(1, 2, dtype=torch.long), "mm_token_type_ids": torch.zeros(1, 3)}], [[0]], 4,
      PackingValueError, "'mm_token_type_ids'.*not that of its `input_ids`"),
-], ids=["row too long", "index outside", "padded document", "not a tensor", "batch of documents", "column length"])
+    ([{"input_ids": torch.ones(1, 2, dtype=torch.long)}], [[0]], 4, PackingValueError,
+     r"`documents` \[0\] have no `token_type_ids`, which every paligemma document needs"),
+], ids=["row too long", "index outside", "padded document", "not a tensor", "batch of documents", "column length",
+        "paligemma without token types"])
 def test_bad_documents_are_refused(documents, rows, row_length, error, match):
+    model_type = "paligemma" if "token_type_ids" in match else "llava"
     with pytest.raises(error, match=match):
-        pack_image_text_documents(documents, rows, row_length, model_type="llava")
+        pack_image_text_documents(documents, rows, row_length, model_type=model_type)
 
 
 # Bad input refused before any layer runs ----------------------------------------------------------------------------

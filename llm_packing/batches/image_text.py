@@ -4,7 +4,7 @@ Each document is what the model's own processor returns for one conversation (ba
 image placeholders already expanded, and the media tensors (`pixel_values`, `image_grid_thw`, `image_sizes`, ...).
 [`pack_image_text_documents`] lays documents end to end in rows:
 - token columns (`input_ids`, `mm_token_type_ids`, `token_type_ids`, `labels`) side by side, padding 0 (-100 for
-  labels) after the last document of a row;
+  labels) after the last document of a row; a document without a column another has gets 0 there (text);
 - `attention_mask`: the indexed mask (`[1, 1, 2, 2, 2, 0]`), `position_ids`: 2-D, restarting at 0 per document (the
   hook computes an mRoPE model's 3-D positions from them, per document, in its forward pre-hook);
 - `labels`: the document's own `labels` if it has them (a completion-only mask), else its `input_ids`; -100 on each
@@ -44,11 +44,14 @@ class MediaLayout:
             absent).
         slots_per_row (`bool`): the images of a row are slots of that row (`(batch, images, ...)`), and a token
             column `cross_attention_mask` `(batch, length, images, tiles)` says which slots each token sees (Mllama).
+        required_columns (`tuple[str, ...]`): token columns every document must bring; any other missing column is
+            0 (text) in the packed batch.
     """
 
     axis: dict[str, int] = field(default_factory=dict)
     pad_values: dict[str, float] = field(default_factory=dict)
     slots_per_row: bool = False
+    required_columns: tuple[str, ...] = ()
 
 
 _IMAGES_ON_AXIS_1 = MediaLayout(axis={"pixel_values": 1, "pixel_attention_mask": 1})
@@ -62,6 +65,8 @@ MEDIA_LAYOUTS: dict[str, MediaLayout] = {
     # Patch positions of padding patches are -1 (the processor pads each image to `max_patches` this way).
     "gemma4": MediaLayout(pad_values={"image_position_ids": -1}),
     "mllama": MediaLayout(slots_per_row=True),
+    # 0 is prefix (image and prompt, attended both ways), 1 suffix: no value is right for a document without them.
+    "paligemma": MediaLayout(required_columns=("token_type_ids",)),
 }
 _MLLAMA_MEDIA = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")
 
@@ -96,7 +101,8 @@ def pack_image_text_documents(
 
     Raises:
         `PackingValueError`: a row longer than `row_length`, an index outside `documents`, an `attention_mask`
-            that is not all ones, a token column of another length than the document's `input_ids`.
+            that is not all ones, a token column of another length than the document's `input_ids`, a column the
+            family requires missing (PaliGemma's `token_type_ids`).
         `PackingTypeError`: a document value that is not a tensor.
 
     Example:
@@ -124,8 +130,9 @@ def pack_image_text_documents(
     ```
     """
     layout = MEDIA_LAYOUTS.get(model_type, MediaLayout())
-    _check_rows(rows, len(documents), row_length)
     documents = [_as_document(document, index) for index, document in enumerate(documents)]
+    _check_rows(rows, [document["input_ids"].shape[-1] for document in documents], row_length)
+    _check_required_columns(documents, layout, model_type)
     batch_size = len(rows)
     input_ids = torch.zeros(batch_size, row_length, dtype=torch.long)
     attention_mask = torch.zeros(batch_size, row_length, dtype=torch.long)
@@ -140,12 +147,6 @@ def pack_image_text_documents(
             document = documents[index]
             length = document["input_ids"].shape[-1]
             end = start + length
-            if end > row_length:
-                raise PackingValueError(
-                    f"`rows[{row}]` holds {sum(documents[i]['input_ids'].shape[-1] for i in indices)} tokens "
-                    f"(documents {list(indices)}), more than `row_length`={row_length}. Pack the documents by their "
-                    "token counts with placeholders expanded (`input_ids` of the processor output)."
-                )
             input_ids[row, start:end] = document["input_ids"]
             attention_mask[row, start:end] = number
             labels[row, start + 1 : end] = document.get("labels", document["input_ids"])[1:]
@@ -172,15 +173,32 @@ def pack_image_text_documents(
     return batch
 
 
-def _check_rows(rows, n_documents: int, row_length: int) -> None:
+def _check_rows(rows, lengths: list[int], row_length: int) -> None:
     if isinstance(row_length, bool) or not isinstance(row_length, int) or row_length < 1:
         raise PackingValueError(f"`row_length` must be a positive int, got {row_length!r}.")
     for row, indices in enumerate(rows):
-        outside = [index for index in indices if not 0 <= index < n_documents]
+        outside = [index for index in indices if not 0 <= index < len(lengths)]
         if outside:
             raise PackingValueError(
-                f"`rows[{row}]` holds document indices {outside} outside 0..{n_documents - 1} (`documents` has "
-                f"{n_documents}). Pass the bins of the same documents list."
+                f"`rows[{row}]` holds document indices {outside} outside 0..{len(lengths) - 1} (`documents` has "
+                f"{len(lengths)}). Pass the bins of the same documents list."
+            )
+        tokens = sum(lengths[index] for index in indices)
+        if tokens > row_length:
+            raise PackingValueError(
+                f"`rows[{row}]` holds {tokens} tokens (documents {list(indices)}), more than `row_length`="
+                f"{row_length}. Pack the documents by their token counts with placeholders expanded (`input_ids` of "
+                "the processor output)."
+            )
+
+
+def _check_required_columns(documents, layout: MediaLayout, model_type: str) -> None:
+    for key in layout.required_columns:
+        missing = [index for index, document in enumerate(documents) if key not in document]
+        if missing:
+            raise PackingValueError(
+                f"`documents` {missing} have no `{key}`, which every {model_type} document needs: its processor "
+                "returns them; for a text-only document, tokenize prompt and suffix with `return_token_type_ids=True`."
             )
 
 

@@ -95,7 +95,7 @@ def _image_text_cell(model_type: str, backend: str) -> str:
     if backend not in support.backends:
         return "n/a"
     if backend == "sdpa":
-        return "exact (dense: image blocks are mask functions)" if support.family == IMAGE_BLOCKS else "exact (varlen)"
+        return "exact (dense for the masks with image blocks)" if support.family == IMAGE_BLOCKS else "exact (varlen)"
     return "exact"
 
 
@@ -112,8 +112,9 @@ def image_text_lines() -> list[str]:
         "(`llm_packing.hook.support.image_text`). `exact`: packed rows of documents with 0, 1 and 2 images of "
         "different sizes (real photos) and trailing padding give every document's logits alone within 1e-5 (float32), "
         "run by `tests/test_image_text_parity.py` on CPU, with random layouts; each mechanism is shown necessary by "
-        "`tests/test_image_text_controls.py`. `exact (varlen)` on sdpa: both routes proven; `exact (dense: ...)`: the "
-        "images' mask functions keep the dense mask. `n/a`: transformers offers no such backend. FlashAttention "
+        "`tests/test_image_text_controls.py`. `exact (varlen)` on sdpa: both routes proven; `exact (dense for the "
+        "masks with image blocks)`: layers whose masks carry image blocks (mask functions) keep the dense mask, the "
+        "others take the varlen route. `n/a`: transformers offers no such backend. FlashAttention "
         "cannot express bidirectional image blocks and has not run with images: packed batches with images are "
         "refused there (text-only batches follow the table above).",
         "",
