@@ -162,6 +162,8 @@ def test_documented_counts_are_the_tables():
     assert int(headline.group(1)) == int(supported.group(1)) == int(hybrids.group(1)) == len(supported_model_types())
     assert int(refused.group(1)) == len(_refused_model_types())
     assert int(hybrids.group(2)) == len(MIXERS)
+    image_text = re.search(r"The image-text types of `hook/support/image_text.py` \((\d+),", guarantees)
+    assert image_text and int(image_text.group(1)) == len(supported_image_text_model_types())
 
 
 def test_every_image_text_type_is_proven_or_refused_with_its_own_reason():

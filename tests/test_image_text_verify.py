@@ -56,3 +56,15 @@ def test_text_documents_of_verify_hold_no_placeholder():
     config = TinyImageText("llava", "sdpa").model.config
     documents = torch.cat(_random_documents(config, (500,), 0, "cpu"))
     assert not (documents == config.image_token_id).any()
+
+
+def test_configure_and_verify_checks_images_with_the_processor(caplog, unconfigure_after):
+    """The trainers' one configure-verify-log step takes the processor through to `verify_packing`."""
+    import logging
+
+    from llm_packing.hook.verify import configure_and_verify
+
+    tiny = TinyImageText("gemma3", "sdpa")
+    with caplog.at_level(logging.INFO, logger="llm_packing.hook.verify"):
+        assert configure_and_verify(tiny.model, processor=tiny.processor) <= 1e-5
+    assert "isolation verified (documents with images included)" in caplog.text

@@ -157,12 +157,13 @@ def _model_logits(model, **inputs) -> torch.Tensor:
 
 
 def configure_and_verify(
-    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = ""
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = "", processor=None
 ) -> float | None:
     """
     What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
     then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
-    states), logging the outcome (`where` prefixes the line, e.g. `"[rank 0/2] "`).
+    states; with an image-text model's `processor`, a row with images too), logging the outcome (`where` prefixes the
+    line, e.g. `"[rank 0/2] "`).
 
     Returns the difference `verify_packing` measured, or `None` when `verify` is off.
     """
@@ -174,7 +175,8 @@ def configure_and_verify(
     if not verify:
         logger.info("%sisolation not verified (`verify_packing` off)", where)
         return None
-    difference = verify_packing(models[0] if checked is None else checked)
-    logger.info("%sisolation verified: packed %s equal per-document %s (max abs diff %.2g)", where, compared, compared,
-                difference)
+    difference = verify_packing(models[0] if checked is None else checked, processor=processor)
+    images = " (documents with images included)" if processor is not None else ""
+    logger.info("%sisolation verified%s: packed %s equal per-document %s (max abs diff %.2g)", where, images, compared,
+                compared, difference)
     return difference
