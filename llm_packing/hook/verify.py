@@ -175,7 +175,8 @@ def configure_and_verify(
     if not verify:
         logger.info("%sisolation not verified (`verify_packing` off)", where)
         return None
-    difference = verify_packing(models[0] if checked is None else checked, processor=processor)
+    model = models[0] if checked is None else checked
+    difference = verify_packing(model) if processor is None else verify_packing(model, processor=processor)
     images = " (documents with images included)" if processor is not None else ""
     logger.info("%sisolation verified%s: packed %s equal per-document %s (max abs diff %.2g)", where, images, compared,
                 compared, difference)
