@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .checks import check_choice, check_integer
-from .length_sort import id_dtype, ids_by_key, length_keys
+from .length_sort import id_dtype, ids_by_key, length_dtype, length_keys
 from .stats import PackingStats
 from .templates import Templates
 
@@ -481,6 +481,7 @@ class _Plan:
                 parts.append(np.repeat(sizes, counts))
             per_group.append(template_of[leaf])
         flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        flat = flat.astype(length_dtype(int(flat.max(initial=0))))  # narrow keys: a radix sort when streaming
         offsets = np.concatenate([[0], np.cumsum([len(part) for part in parts], dtype=np.int64)]).astype(np.int64)
         num_bins = np.array([num for _, num, _, _, _ in groups], np.int64)
         of_bin = np.repeat(np.array(per_group, id_dtype(len(parts))), num_bins)

@@ -76,8 +76,8 @@ def ids_by_key(keys: np.ndarray, histogram: np.ndarray) -> np.ndarray:
     next_place = np.cumsum(histogram) - histogram
     for start in range(0, len(keys), CHUNK):
         chunk = keys[start : start + CHUNK]
-        local, places = _places(chunk, next_place)
-        ids[places] = local + start
+        local, place = places(chunk, next_place)
+        ids[place] = local + start
     return ids
 
 
@@ -96,18 +96,19 @@ def take_in_turn(keys: np.ndarray, next_place: np.ndarray, pooled: np.ndarray) -
 
     ```
     """
-    local, places = _places(keys, next_place)
+    local, place = places(keys, next_place)
     taken = np.empty(len(keys), pooled.dtype)
-    taken[local] = pooled[places]
+    taken[local] = pooled[place]
     return taken
 
 
-def _places(keys: np.ndarray, next_place: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The chunk's positions grouped by key (stable), and where each goes; advances `next_place` past the chunk."""
+def places(keys: np.ndarray, next_place: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk's positions grouped by key (stable), and the place each takes: its key's `next_place` plus its rank
+    among that key's items of the chunk; advances `next_place` past the chunk."""
     local = np.argsort(keys, kind="stable")  # a radix sort for 8- and 16-bit keys
     chunk_counts = np.bincount(keys, minlength=len(next_place))
     first_in_chunk = np.cumsum(chunk_counts) - chunk_counts
     sorted_keys = keys[local]
-    places = np.arange(len(keys)) + (next_place - first_in_chunk)[sorted_keys]
+    place = np.arange(len(keys)) + (next_place - first_in_chunk)[sorted_keys]
     next_place += chunk_counts
-    return local, places
+    return local, place

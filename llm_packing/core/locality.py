@@ -25,6 +25,7 @@ bin, not per document.
 
 import numpy as np
 
+from . import length_sort
 from .length_sort import ids_by_key, length_keys
 from .templates import Templates
 
@@ -80,15 +81,20 @@ def local_rows(templates: Templates, keys: np.ndarray, histogram: np.ndarray,
     """
     pooled = by_key_then_address(keys, histogram, addresses)
     pool_starts = np.cumsum(histogram) - histogram
-    spread = _spread_shapes(templates.shapes()[templates.of_bin])
+    spread = _spread_shapes(templates)
     # Once more, with the rows in the order of their documents' mean address: each length's documents then lie
     # closer to where the rows around them read (runs of rows spread over a third less of the input).
-    sums = templates.assign(spread, pooled, pool_starts, addresses=addresses)
-    sums /= templates.widths()[templates.of_bin[spread]]
-    bins = spread[np.argsort(sums, kind="stable")]
-    del sums, spread
+    sums = templates.assign(spread, templates.bin_offsets(spread), pooled, pool_starts, addresses=addresses)
+    widths, chunk = templates.widths(), length_sort.CHUNK
+    for first in range(0, len(sums), chunk):
+        sums[first : first + chunk] /= widths[templates.of_bin[spread[first : first + chunk]]]
+    bins = np.argsort(sums, kind="stable")
+    del sums
+    for first in range(0, len(bins), chunk):
+        bins[first : first + chunk] = spread[bins[first : first + chunk]]
+    del spread
     order = np.empty(len(keys), pooled.dtype)
-    templates.assign(bins, pooled, pool_starts, out=order)
+    templates.assign(bins, templates.bin_offsets(bins), pooled, pool_starts, out=order)
     return order, bins
 
 
@@ -114,15 +120,22 @@ def _increasing(addresses: np.ndarray) -> bool:
     return True
 
 
-def _spread_shapes(shape: np.ndarray) -> np.ndarray:
-    """Bin indices in an order where the copies of each bin shape (a hash of its multiset of lengths) are spread
-    evenly."""
-    by_shape = np.argsort(shape, kind="stable")
-    sorted_shape = shape[by_shape]
-    firsts = np.concatenate([[0], np.flatnonzero(sorted_shape[1:] != sorted_shape[:-1]) + 1])
-    del sorted_shape
-    sizes = np.diff(np.concatenate([firsts, [len(shape)]]))
-    copy = np.arange(len(shape)) - np.repeat(firsts, sizes)  # k: which copy of its shape, in engine order
-    place = np.empty(len(shape))
-    place[by_shape] = (copy + (by_shape * _GOLDEN) % 1.0) / np.repeat(sizes, sizes)
+def _spread_shapes(templates: Templates) -> np.ndarray:
+    """Bin indices in an order where the copies of each bin shape (its multiset of lengths) are spread evenly: the
+    `k`-th of `n` bins of a shape (engine order) at `(k + frac(b * golden ratio)) / n`, `b` its engine index. A chunk
+    of bins at a time: the result and the places are the only arrays of a bin's size."""
+    _, shape_of_template = np.unique(templates.shapes(), return_inverse=True)  # equal multisets hash alike
+    shape_of_template = shape_of_template.astype(length_sort.length_dtype(len(shape_of_template)))
+    num_bins, chunk = templates.num_bins, length_sort.CHUNK
+    copies = np.zeros(int(shape_of_template.max(initial=0)) + 1, np.int64)
+    for first in range(0, num_bins, chunk):
+        copies += np.bincount(shape_of_template[templates.of_bin[first : first + chunk]], minlength=len(copies))
+    place, seen = np.empty(num_bins), np.zeros_like(copies)
+    for first in range(0, num_bins, chunk):
+        shape = shape_of_template[templates.of_bin[first : first + chunk]]
+        local, ranks = length_sort.places(shape, seen)
+        copy = np.empty(len(shape), np.int64)
+        copy[local] = ranks  # k: which copy of its shape, in engine order
+        place[first : first + len(shape)] = (copy + (np.arange(first, first + len(shape)) * _GOLDEN) % 1.0) / copies[
+            shape]
     return np.argsort(place, kind="stable")

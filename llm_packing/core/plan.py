@@ -90,7 +90,8 @@ def plan_rows(lengths, capacity: int, *, strategy: Strategy = "bfd", seed: int |
     sizes, counts, keys, histogram = length_keys(lengths, longest)
     max_docs = count + 1 if max_docs_per_bin is None else int(max_docs_per_bin)
     plan = run_plan(sizes, counts, int(capacity), strategy, max_docs)
-    templates = plan.templates((lambda flat: flat) if keys is lengths else (lambda flat: np.searchsorted(sizes, flat)))
+    templates = plan.templates((lambda flat: flat) if keys is lengths else
+                               (lambda flat: np.searchsorted(sizes, flat).astype(keys.dtype)))
     del plan
     if seed is None and templates.num_bins > 1:
         order, bins = local_rows(templates, keys, histogram, addresses)
@@ -102,5 +103,6 @@ def plan_rows(lengths, capacity: int, *, strategy: Strategy = "bfd", seed: int |
             shuffle_pools(pooled, histogram, rng)
             bins = rng.permutation(templates.num_bins)
         order = np.empty(count, pooled.dtype)
-        templates.assign(bins, pooled, np.cumsum(histogram) - histogram, out=order)
-    return RowPlan(order, templates.bin_offsets(bins), templates.tokens_per_bin()[bins], int(capacity))
+        templates.assign(bins, templates.bin_offsets(bins), pooled, np.cumsum(histogram) - histogram, out=order)
+        del pooled
+    return RowPlan(order, templates.bin_offsets(bins), templates.tokens_per_bin(bins), int(capacity))

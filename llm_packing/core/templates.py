@@ -28,8 +28,9 @@ class Templates:
     >>> import numpy as np
     >>> lengths = np.array([3, 1, 2])
     >>> templates = Templates(lengths, lengths, np.array([0, 2, 3]), np.array([0, 0, 1]))
-    >>> templates.bin_offsets(np.array([2, 0, 1])).tolist(), templates.tokens_per_bin().tolist()
-    ([0, 1, 3, 5], [4, 4, 2])
+    >>> bins = np.array([2, 0, 1])
+    >>> templates.bin_offsets(bins).tolist(), templates.tokens_per_bin(bins).tolist()
+    ([0, 1, 3, 5], [2, 4, 4])
 
     ```
     """
@@ -48,28 +49,34 @@ class Templates:
         return np.diff(self.offsets)
 
     def bin_offsets(self, bins: np.ndarray) -> np.ndarray:
-        """int64 offsets of the slots of `bins`, in that order (`num_bins + 1` values)."""
+        """int64 offsets of the slots of `bins`, in that order (`num_bins + 1` values), a chunk of bins at a time."""
         offsets = np.zeros(len(bins) + 1, np.int64)
-        np.cumsum(self.widths()[self.of_bin[bins]], out=offsets[1:])
+        widths, total = self.widths(), 0
+        for first in range(0, len(bins), length_sort.CHUNK):
+            chunk = offsets[first + 1 : first + 1 + length_sort.CHUNK]
+            np.cumsum(widths[self.of_bin[bins[first : first + length_sort.CHUNK]]], out=chunk)
+            chunk += total
+            total = int(chunk[-1])
         return offsets
 
-    def tokens_per_bin(self) -> np.ndarray:
-        """int64 tokens in each bin, engine order."""
+    def tokens_per_bin(self, bins: np.ndarray) -> np.ndarray:
+        """int64 tokens in each of `bins`, in that order."""
         tokens = np.add.reduceat(self.flat.astype(np.int64), self.offsets[:-1]) if len(self.flat) else self.offsets[1:]
-        return tokens[self.of_bin]
+        return tokens[self.of_bin[bins]]
 
     def shapes(self) -> np.ndarray:
         """A 64-bit hash of each template's multiset of lengths (templates with the same lengths hash alike)."""
         return np.add.reduceat(_mixed(self.flat), self.offsets[:-1])
 
-    def assign(self, bins: np.ndarray, pooled: np.ndarray, pool_starts: np.ndarray, *, out: np.ndarray | None = None,
-               addresses: np.ndarray | None = None) -> np.ndarray | None:
+    def assign(self, bins: np.ndarray, offsets: np.ndarray, pooled: np.ndarray, pool_starts: np.ndarray, *,
+               out: np.ndarray | None = None, addresses: np.ndarray | None = None) -> np.ndarray | None:
         """
         Hand the documents to the slots of `bins` (in that order): each length's slots, in row order, take that
         length's documents in `pooled` in turn, from `pool_starts[key]` on. One chunk of rows at a time.
 
         Args:
             bins (`np.ndarray`): Bin indices (engine order) in the order of the rows.
+            offsets (`np.ndarray`): Their `bin_offsets(bins)`.
             pooled (`np.ndarray`): Document ids grouped by length key (each group in the order to hand them out).
             pool_starts (`np.ndarray`): Where each key's documents start in `pooled`.
             out (`np.ndarray`, *optional*): Filled with the document of every slot, row after row.
@@ -79,7 +86,6 @@ class Templates:
         Returns:
             `np.ndarray` or `None`: With `addresses`, or without `out`, the float64 sum of the addresses per row.
         """
-        offsets = self.bin_offsets(bins)
         widths = self.widths()
         next_place = pool_starts.astype(np.int64, copy=True)
         sums = np.zeros(len(bins)) if out is None or addresses is not None else None

@@ -16,10 +16,10 @@ import numpy as np
 import pyarrow as pa
 from datasets.utils.tqdm import tqdm
 
-from ..core.binpack import pack_sequences, seed_from_components
+from ..core.binpack import seed_from_components
 from ..core.checks import check_integer
-from ..core.locality import local_order
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from ..core.plan import plan_rows
 from ..core.rows import MASK_COLUMNS, segment_aranges
 from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.gather import write_rows
@@ -266,6 +266,7 @@ class _Documents:
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
         # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
         rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        self._rows = rows
         # The whole table behind a mapping is checked: a bad value may be in a row left out, and an error must name
         # the row as the caller counts it. Then the picked rows alone are checked again (gathered: rare). With no
         # rows, `data.table` may still hold every row behind the mapping.
@@ -299,7 +300,7 @@ class _Documents:
             self._checks.raise_failed()
 
     def _read_picked_rows(self) -> None:
-        picked_rows, self._picked_rows = self._picked_rows, None
+        picked_rows, self._picked_rows, self._rows = self._picked_rows, None, None
         self._read(picked_rows(), None)
 
     def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
@@ -328,13 +329,13 @@ class _Documents:
                     column.select(rows)
 
     def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids, num_proc=None):
-        plan = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
-                              max_docs_per_bin=max_docs_per_bin)
+        # Rows in the local order (see `locality.py`), or at random with a seed; a document's place in the input is
+        # its piece's index, or with an indices mapping the row it picks.
+        addresses = None if self._rows is None else self._rows[self.pieces.source]
+        plan = plan_rows(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
+                         max_docs_per_bin=max_docs_per_bin, addresses=addresses)
+        del addresses
         stats = dataclasses.replace(plan.stats, **self.pieces.counts())
-        if seed is None and strategy != "nf":  # a seed asks for random pairings; next-fit already follows the input
-            addresses = self.input_ids.row_start[self.pieces.source] + self.pieces.start
-            order, bin_offsets = local_order(plan.order, plan.bin_offsets, self.pieces.length, addresses)
-            plan = dataclasses.replace(plan, order=order, bin_offsets=bin_offsets)
         num_tokens = int(self.pieces.length.sum())
         schema = self._schema(num_tokens, return_position_ids)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
@@ -353,7 +354,7 @@ class _Documents:
         """The rows gathered and written by `num_proc` forked processes, a contiguous share each (see
         `gather_processes.py`)."""
         self.raise_bad_values()  # before forking: the checks' thread is not copied into the processes
-        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order])])
+        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order], dtype=np.int64)])
         ranges = row_ranges(np.diff(doc_start[plan.bin_offsets]), num_proc)
         paths = shard_paths(target.path, len(ranges))
 
