@@ -85,7 +85,7 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     may be loaded and was written by this layout."""
     if not (target.load_from_cache_file and target.path):
         return None
-    paths = [target.path] if os.path.exists(target.path) else _existing_shards(target.path)
+    paths = [target.path] if os.path.exists(target.path) else existing_shards(target.path)
     if not paths:
         return None
     table = _memory_mapped(paths)
@@ -98,7 +98,7 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     return _dataset(table, split, target.fingerprint), stats
 
 
-def _existing_shards(path: str) -> list[str]:
+def existing_shards(path: str) -> list[str]:
     """Every shard of `path` if one complete set of them exists (the most recent), else []."""
     stem, extension = os.path.splitext(path)
     first = sorted(glob.glob(f"{glob.escape(stem)}_00000_of_*{extension}"), key=os.path.getmtime, reverse=True)
@@ -160,7 +160,8 @@ class PackedWriter:
     Either way the packed rows are read from disk the first time training reads them.
     """
 
-    def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
+    def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats,
+                 temporary_prefix: str = "tmp-llm_packing-"):
         self.target = target
         metadata = {**(schema.metadata or {}), _METADATA_KEY: json.dumps(
             {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
@@ -171,7 +172,7 @@ class PackedWriter:
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix=temporary_prefix)
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)
