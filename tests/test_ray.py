@@ -125,3 +125,21 @@ def test_refuses_a_directory_with_shards(tmp_path):
     (tmp_path / "packed_00000_of_00001.arrow").write_bytes(b"")
     with pytest.raises(PackingValueError, match=r"already holds 1 packed shard"):
         pack_dataset_on_ray(ray.data.from_arrow(blocks(sizes=(3,))), 40, str(tmp_path))
+
+
+def test_recipe_key_packing_engine_ray_packs_the_same_rows(tmp_path):
+    # `packing_engine: ray` in a recipe: rank 0 packs on the cluster into `packed_dir`, another rank loads the shards.
+    from types import SimpleNamespace
+
+    from llm_packing.cli.arguments import PackingArguments
+    from llm_packing.cli.train import pack_documents
+
+    documents = datasets.Dataset(datasets.table.InMemoryTable(pa.concat_tables(blocks(sizes=(40, 30), seed=2))))
+    local = PackingArguments(overflow="split")
+    on_ray = PackingArguments(overflow="split", packing_engine="ray", packed_dir=str(tmp_path / "rows"))
+    expected, expected_stats = pack_documents(documents, SimpleNamespace(max_length=40, dataset_num_proc=None), local,
+                                              None)
+    for rank in (0, 1):
+        arguments = SimpleNamespace(max_length=40, output_dir=str(tmp_path), process_index=rank)
+        packed, stats = pack_documents(documents, arguments, on_ray, None)
+        assert packed.to_dict() == expected.to_dict() and stats == expected_stats

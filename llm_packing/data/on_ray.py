@@ -24,18 +24,20 @@ import pyarrow as pa
 from ..core.checks import check_choice, check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.plan import plan_rows
+from ..core.stats import PackingStats
 from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.gather_processes import row_ranges
-from ._io.packed_cache import LAYOUT_VERSION, existing_shards, load_files, shard_paths
+from ._io.packed_cache import LAYOUT_VERSION, Destination, existing_shards, load_cached, load_files, shard_paths
 from ._io.shards import TOKEN_COLUMNS, ShardSpec, block_lengths, write_shard
 from .metadata import record_packing
 from .pack import GATHER_CHUNK, group_tokens, packed_schema
 
 
-__all__ = ["pack_dataset_on_ray", "read_packed_on_ray"]
+__all__ = ["load_packed", "pack_dataset_on_ray", "read_packed_on_ray"]
 
 OUTPUT_FORMATS = ("arrow", "parquet")
-_STEM = "packed"  # shards are packed_00000_of_00004.arrow, ..., as `Dataset.map(num_proc=4)` names its files
+_STEM = "packed"
+_HF_BLOCK_ROWS = 100_000  # rows per block of a `datasets.Dataset` sent to the cluster  # shards are packed_00000_of_00004.arrow, ..., as `Dataset.map(num_proc=4)` names its files
 
 
 def pack_dataset_on_ray(
@@ -51,21 +53,24 @@ def pack_dataset_on_ray(
     num_shards: int | None = None,
     output_format: str = "arrow",
     max_retries: int = 3,
+    address: str | None = None,
     return_stats: bool = False,
     _fault: tuple[int, str] | None = None,
 ):
     """
     Pack a tokenized Ray dataset into rows of at most `max_length` tokens, written as shards under `output_dir`.
 
-    Connects to the Ray cluster already initialised (`ray.init(address=...)`), or starts or joins one as `ray.init()`
-    does (`RAY_ADDRESS`). Every worker needs `llm_packing` importable (e.g. `ray.init(runtime_env={"pip":
-    ["llm_packing[ray]"]})`) and `output_dir` on a filesystem all nodes and the driver share.
+    Runs on the Ray cluster already initialised, or calls `ray.init(address=address)` (`None`: the cluster
+    `RAY_ADDRESS` names, or a new one on this machine). Every worker needs `llm_packing` importable (e.g.
+    `ray.init(runtime_env={"pip": ["llm_packing[ray]"]})`) and `output_dir` on a filesystem that all nodes and the
+    driver share.
 
     Args:
-        dataset (`ray.data.Dataset`, `str` or `list[str]`):
+        dataset (`ray.data.Dataset`, `datasets.Dataset`, `str` or `list[str]`):
             Tokenized rows with `input_ids` (and optionally `labels`, `completion_mask`, `assistant_masks`), as for
-            [`~llm_packing.data.pack.pack_dataset`]; or Parquet / Arrow files (or directories of them) read by Ray,
-            rows numbered in the order of the files.
+            [`~llm_packing.data.pack.pack_dataset`]; a `datasets.Dataset` (sent to the cluster in blocks of
+            100,000 rows); or Parquet / Arrow files (or directories of them) read by Ray, rows
+            numbered in the order of the files.
         max_length, strategy, seed, overflow, max_docs_per_bin, return_position_ids:
             As for `pack_dataset`; the rows are the same.
         output_dir (`str`):
@@ -76,6 +81,8 @@ def pack_dataset_on_ray(
             `"arrow"` (Arrow IPC streams, memory-mapped by `datasets` without a copy) or `"parquet"`.
         max_retries (`int`, *optional*, defaults to `3`):
             Times Ray retries a task whose worker died (a lost node); a task that raises is not retried.
+        address (`str`, *optional*):
+            The cluster to join if Ray is not initialised yet, as `ray.init(address=...)` takes it.
         return_stats (`bool`, *optional*, defaults to `False`):
             Also return the [`~llm_packing.core.stats.PackingStats`].
 
@@ -99,7 +106,7 @@ def pack_dataset_on_ray(
             "would mix them with this run's. Pass an empty directory, or delete them."
         )
     if not ray.is_initialized():
-        ray.init()
+        ray.init(address=address)
     blocks = _input_blocks(ray, dataset)
     counted = _wait_all(ray, [_remote(ray, _count_block).remote(block) for block in blocks], _block_names(blocks))
     block_rows = np.array([len(lengths) for lengths, _, _ in counted], np.int64)
@@ -162,6 +169,16 @@ def read_packed_on_ray(output_dir: str):
     return ray.data.from_arrow_refs([_remote(ray, _read_arrow).remote(path) for path in paths])
 
 
+def load_packed(output_dir: str, max_length: int) -> tuple[datasets.Dataset, PackingStats]:
+    """The Arrow shards [`pack_dataset_on_ray`] wrote to `output_dir`, memory-mapped, and their stats (e.g. on the
+    training ranks that did not pack)."""
+    loaded = load_cached(Destination(os.path.join(output_dir, f"{_STEM}.arrow"), output_dir, True), None)
+    if loaded is None:
+        raise PackingValueError(f"`output_dir`={output_dir!r} holds no complete set of Arrow shards of this "
+                                "llm_packing version. Pack into it with `pack_dataset_on_ray` first.")
+    return record_packing(loaded[0], max_length), loaded[1]
+
+
 def _import_ray():
     try:
         import ray
@@ -208,6 +225,10 @@ def _read_arrow(path: str) -> pa.Table:
 
 def _input_blocks(ray, dataset) -> list:
     """The input's blocks (Arrow tables in Ray's object store), in row order."""
+    if isinstance(dataset, datasets.Dataset):  # its rows in order, an indices mapping applied, in blocks
+        table = dataset.data.table if dataset._indices is None else dataset.with_format("arrow")[:]
+        dataset = ray.data.from_arrow([table.slice(first, _HF_BLOCK_ROWS)
+                                       for first in range(0, max(table.num_rows, 1), _HF_BLOCK_ROWS)])
     if isinstance(dataset, ray.data.Dataset):
         return dataset.to_arrow_refs()
     paths = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
