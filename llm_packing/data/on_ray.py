@@ -36,8 +36,8 @@ from .pack import GATHER_CHUNK, group_tokens, packed_schema
 __all__ = ["load_packed", "pack_dataset_on_ray", "read_packed_on_ray"]
 
 OUTPUT_FORMATS = ("arrow", "parquet")
-_STEM = "packed"
-_HF_BLOCK_ROWS = 100_000  # rows per block of a `datasets.Dataset` sent to the cluster  # shards are packed_00000_of_00004.arrow, ..., as `Dataset.map(num_proc=4)` names its files
+_STEM = "packed"  # shards are packed_00000_of_00004.arrow, ..., as `Dataset.map(num_proc=4)` names its files
+_HF_BLOCK_ROWS = 100_000  # rows per block of a `datasets.Dataset` sent to the cluster
 
 
 def pack_dataset_on_ray(
