@@ -65,8 +65,12 @@ def test_hybrid_whose_mixers_are_not_in_the_table_is_refused(model_type, monkeyp
         require_supported(SimpleNamespace(model_type=model_type))
 
 
-def test_require_supported_accepts_a_supported_type():
-    require_supported(SimpleNamespace(model_type="llama", layer_types=None))
+def test_require_supported_accepts_every_supported_type_and_reads_its_layer_types():
+    for model_type in supported_model_types():
+        assert require_supported(SimpleNamespace(model_type=model_type, layer_types=None)) is None, model_type
+    # The same config with a layer kind that carries state across the row is refused: the check reads the config.
+    with pytest.raises(UnsupportedSetupError, match=r"'llama'.*non-attention layers \['linear_attention'\]"):
+        require_supported(SimpleNamespace(model_type="llama", layer_types=["full_attention", "linear_attention"]))
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "no_such_model"])
