@@ -84,6 +84,22 @@ def test_parquet_files_in_parquet_shards_out_seeded(tmp_path):
     assert read_packed_on_ray(str(tmp_path / "out")).take_all() == expected.to_list()
 
 
+def test_arrow_file_read_in_blocks(tmp_path, monkeypatch):
+    # A `datasets` cache file (an Arrow stream of record batches), read by Ray as blocks of whole record batches.
+    from llm_packing.data import on_ray
+
+    monkeypatch.setattr(on_ray, "_BLOCK_ROWS", 25)
+    table = pa.concat_tables(blocks(sizes=(50, 40), seed=3))
+    path = str(tmp_path / "data.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=10)
+    assert len(on_ray._arrow_blocks(ray, path)) == 4  # whole batches of 10 rows, cut as 25, 50 and 75 rows are reached
+    expected, _ = single_machine([table], 40, overflow="drop")
+    packed = pack_dataset_on_ray(path, 40, str(tmp_path / "out"), overflow="drop")
+    assert packed.to_dict() == expected.to_dict()
+    assert pack_dataset(datasets.Dataset.from_file(path), 40, overflow="drop").to_dict() == expected.to_dict()
+
+
 @pytest.mark.parametrize("fault", ["exit", "raise"])
 def test_a_task_dying_mid_write_leaves_no_shard_and_names_it(tmp_path, fault):
     # Shard 1's task writes its rows to its temporary file, then its worker exits (or the task raises) before the

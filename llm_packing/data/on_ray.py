@@ -30,14 +30,14 @@ from ._io.gather_processes import row_ranges
 from ._io.packed_cache import LAYOUT_VERSION, Destination, existing_shards, load_cached, load_files, shard_paths
 from ._io.shards import TOKEN_COLUMNS, ShardSpec, block_lengths, write_shard
 from .metadata import record_packing
-from .pack import GATHER_CHUNK, group_tokens, packed_schema
+from .pack import _GATHER_CHUNK, group_tokens, packed_schema
 
 
 __all__ = ["load_packed", "pack_dataset_on_ray", "read_packed_on_ray"]
 
 OUTPUT_FORMATS = ("arrow", "parquet")
 _STEM = "packed"  # shards are packed_00000_of_00004.arrow, ..., as `Dataset.map(num_proc=4)` names its files
-_HF_BLOCK_ROWS = 100_000  # rows per block of a `datasets.Dataset` sent to the cluster
+_BLOCK_ROWS = 100_000  # rows per block of a `datasets.Dataset` or an Arrow file sent to the cluster
 
 
 def pack_dataset_on_ray(
@@ -137,7 +137,7 @@ def pack_dataset_on_ray(
             path=path, output_format=output_format, schema=schema, stats=stats.to_dict(), columns=columns,
             row=source - block_starts[block] + concat_start[np.searchsorted(needed, block)],
             start=np.asarray(pieces.start[ids], np.int64), length=pieces.length[ids],
-            bin_offsets=offsets - offsets[0], chunk_tokens=GATHER_CHUNK,
+            bin_offsets=offsets - offsets[0], chunk_tokens=_GATHER_CHUNK,
             group_tokens=group_tokens(int(plan.tokens_per_bin[first:last].sum())), temporary_prefix=prefix,
             fault=_fault[1] if _fault is not None and _fault[0] == index else None,
         )
@@ -215,20 +215,45 @@ def _write_shard(spec: ShardSpec, *tables: pa.Table) -> int:
         progress.close()
 
 
-def _read_arrow(path: str) -> pa.Table:
+def _read_arrow(path: str, first: int = 0, last: int | None = None) -> pa.Table:
+    """Record batches `[first, last)` of an Arrow IPC file (stream or file format), memory-mapped."""
+    batches = _arrow_batches(path)
+    return pa.Table.from_batches(batches[first:last], schema=batches.schema)
+
+
+class _Batches(list):
+    schema: pa.Schema
+
+
+def _arrow_batches(path: str) -> _Batches:
+    """The record batches of an Arrow IPC file, memory-mapped: only their headers are read."""
     source = pa.memory_map(path)
     try:
-        return pa.ipc.open_stream(source).read_all()
+        reader = pa.ipc.open_stream(source)
+        batches = _Batches(reader)
     except pa.ArrowInvalid:
-        return pa.ipc.open_file(source).read_all()
+        reader = pa.ipc.open_file(source)
+        batches = _Batches(reader.get_batch(index) for index in range(reader.num_record_batches))
+    batches.schema = reader.schema
+    return batches
+
+
+def _arrow_blocks(ray, path: str) -> list:
+    """One Arrow file as blocks of about `_BLOCK_ROWS` rows, each read by a task."""
+    rows = np.cumsum([batch.num_rows for batch in _arrow_batches(path)])
+    cuts = np.unique(np.searchsorted(rows, np.arange(_BLOCK_ROWS, int(rows[-1]) if len(rows) else 0, _BLOCK_ROWS),
+                                     side="left") + 1)
+    bounds = [0, *[int(cut) for cut in cuts if cut < len(rows)], len(rows)]
+    read = _remote(ray, _read_arrow)
+    return [read.remote(path, first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _input_blocks(ray, dataset) -> list:
     """The input's blocks (Arrow tables in Ray's object store), in row order."""
     if isinstance(dataset, datasets.Dataset):  # its rows in order, an indices mapping applied, in blocks
         table = dataset.data.table if dataset._indices is None else dataset.with_format("arrow")[:]
-        dataset = ray.data.from_arrow([table.slice(first, _HF_BLOCK_ROWS)
-                                       for first in range(0, max(table.num_rows, 1), _HF_BLOCK_ROWS)])
+        dataset = ray.data.from_arrow([table.slice(first, _BLOCK_ROWS)
+                                       for first in range(0, max(table.num_rows, 1), _BLOCK_ROWS)])
     if isinstance(dataset, ray.data.Dataset):
         return dataset.to_arrow_refs()
     paths = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
@@ -243,7 +268,7 @@ def _input_blocks(ray, dataset) -> list:
             f"suffixes {sorted(kinds)}). Read other formats with ray.data first."
         )
     if kinds == {".arrow"}:
-        return [_remote(ray, _read_arrow).remote(path) for path in files]
+        return [block for path in files for block in _arrow_blocks(ray, path)]
     context = ray.data.DataContext.get_current()
     preserve_order = context.execution_options.preserve_order
     context.execution_options.preserve_order = True  # rows numbered in the order of the files

@@ -34,7 +34,7 @@ __all__ = ["PackedDatasetEpochs", "pack_dataset"]
 
 logger = logging.getLogger(__name__)
 
-GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
+_GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
 # Tokens per group read in input order (see `gather.py`), gathered into one of two buffers: a 48th of the tokens
 # packed, from 8M to 32M (two buffers of 32 to 128 MiB of ids). Larger groups map less of the input again, but new
 # buffer memory costs a page fault per page: 1M memory-mapped rows (407M tokens) packed in 1.70 s with groups of 8M
@@ -337,7 +337,7 @@ class _Documents:
         stats = dataclasses.replace(plan.stats, **self.pieces.counts())
         num_tokens = int(self.pieces.length.sum())
         schema = self._schema(num_tokens, return_position_ids)
-        with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < GATHER_CHUNK) as progress:
+        with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
             if num_proc and num_proc > 1 and target.path is not None and len(plan.bin_offsets) > 2:
                 return self._write_shards(plan, target, schema, stats, num_proc, progress, split), stats
             writer = PackedWriter(target, schema, stats)
@@ -379,7 +379,7 @@ class _Documents:
     def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter, progress) -> None:
         """Gather the packed rows (see `gather.py`), advancing `progress`, and hand them to `writer`."""
         write_rows(dict(self._columns()), self.pieces, order, bin_offsets, writer, progress,
-                   chunk_tokens=GATHER_CHUNK, group_tokens=group_tokens(int(self.pieces.length[order].sum())),
+                   chunk_tokens=_GATHER_CHUNK, group_tokens=group_tokens(int(self.pieces.length[order].sum())),
                    pages=self.pages,
                    between_groups=lambda: self.raise_bad_values(wait=False))
 
