@@ -202,6 +202,8 @@ def _remote(ray, function):
 
 def _count_block(table: pa.Table):
     lengths, says_more = block_lengths(table)
+    if lengths.max(initial=0) < 1 << 31:  # the driver holds every document's length: 4 bytes each
+        lengths = lengths.astype(np.int32)
     return lengths, says_more, [name for name in TOKEN_COLUMNS if name in table.column_names]
 
 
