@@ -153,8 +153,9 @@ def pack_dataset_on_ray(
 
 def read_packed_on_ray(output_dir: str):
     """
-    The shards that [`pack_dataset_on_ray`] wrote to `output_dir`, as a `ray.data.Dataset` (rows in order), e.g.
-    for Ray Train.
+    The shards that [`pack_dataset_on_ray`] wrote to `output_dir`, as a `ray.data.Dataset`, e.g. for Ray Train:
+    Arrow shards in blocks of about 100,000 rows, in order; Parquet shards by `ray.data.read_parquet`, in the order
+    Ray reads them (in order with `DataContext.get_current().execution_options.preserve_order = True`).
     """
     ray = _import_ray()
     for output_format in OUTPUT_FORMATS:
@@ -165,8 +166,8 @@ def read_packed_on_ray(output_dir: str):
         raise PackingValueError(f"`output_dir`={output_dir!r} holds no complete set of packed shards "
                                 f"({_STEM}_00000_of_N.arrow or .parquet). Pack into it with `pack_dataset_on_ray`.")
     if output_format == "parquet":
-        return ray.data.read_parquet(paths, shuffle=None)
-    return ray.data.from_arrow_refs([_remote(ray, _read_arrow).remote(path) for path in paths])
+        return ray.data.read_parquet(paths)
+    return ray.data.from_arrow_refs([block for path in paths for block in _arrow_blocks(ray, path)])
 
 
 def load_packed(output_dir: str, max_length: int) -> tuple[datasets.Dataset, PackingStats]:
