@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .checks import check_choice, check_integer
-from .length_sort import id_dtype, ids_by_key, length_dtype, length_keys
+from .length_sort import id_dtype, length_dtype
 from .stats import PackingStats
 from .templates import Templates
 
@@ -253,10 +253,30 @@ def check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
 
 
 def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct lengths (ascending), their counts, and the item ids stably sorted by length (4 bytes each, streamed:
-    see `length_sort.py`)."""
-    sizes, counts, keys, histogram = length_keys(lengths, longest)
-    return sizes, counts, ids_by_key(keys, histogram)
+    """Distinct lengths (ascending), their counts, and the item ids stably sorted by length (int64, as `order`:
+    `plan_rows` sorts them in 4 bytes each instead, see `length_sort.py`)."""
+    if longest < 1 << 16:
+        # A 16-bit key makes numpy's stable argsort a radix sort: two counting passes.
+        key = lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16)
+        by_length = np.argsort(key, kind="stable")
+        histogram = np.diff(_first_positions(key, by_length, longest + 1))
+        sizes = np.flatnonzero(histogram)
+        return sizes, histogram[sizes], by_length
+    sizes, counts = np.unique(lengths, return_counts=True)
+    return sizes, counts, np.argsort(lengths, kind="stable")
+
+
+def _first_positions(key: np.ndarray, by_length: np.ndarray, top: int) -> np.ndarray:
+    """Where each length `0..top` starts in the length-sorted order: one binary search per length, all at once
+    (about log2(N) steps over `top + 1` values), so no second pass over the N items is needed for the histogram."""
+    targets = np.arange(top + 1)
+    low, high = np.zeros_like(targets), np.full_like(targets, len(by_length))
+    while (active := low < high).any():
+        middle = (low + high) >> 1
+        below = key[by_length[np.minimum(middle, len(by_length) - 1)]] < targets
+        low = np.where(active & below, middle + 1, low)
+        high = np.where(active & ~below, middle, high)
+    return low
 
 
 def shuffle_pools(by_length: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> None:
