@@ -211,7 +211,7 @@ def _count_block(table: pa.Table):
 def _write_shard(spec: ShardSpec, *tables: pa.Table) -> int:
     from ray.experimental import tqdm_ray
 
-    progress = tqdm_ray.tqdm(total=int(spec.length.sum(dtype=np.int64)), desc=os.path.basename(spec.path))
+    progress = tqdm_ray.tqdm(total=int(spec.length.sum(dtype=np.int64)), desc=os.path.basename(spec.path), unit="tok")
     try:
         return write_shard(spec, list(tables), progress)
     finally:
