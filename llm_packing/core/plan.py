@@ -1,4 +1,5 @@
-"""`plan_rows`: the packed rows of a corpus, in the order they are written, at about 10 bytes a document.
+"""`plan_rows`: the packed rows of a corpus, in the order they are written, at about 10 bytes a document besides its
+length.
 
 [`~llm_packing.core.binpack.pack_sequences`] returns a plan in the engine's order with int64 ids and a copy of the
 lengths (its contract); `pack_dataset` used to reorder it with `local_order`, and planning 100M documents peaked at
