@@ -165,6 +165,8 @@ def main() -> None:
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}, load average {os.getloadavg()[0]:.1f}",
         f"- machine: {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}; one node: "
         "Ray's workers share the same 2 cores and disk",
+        f"- Ray's object store: {f'{args.object_store_gib} GiB' if args.object_store_gib else 'Ray default'} (the "
+        "input is copied into it; what does not fit is spilled to disk)",
         f"- packed rows: {rows:,} ({tokens:,} tokens); {how}: {equal}\n",
         "| packer | wall | driver peak RSS rise | output files |",
         "|---|---|---|---|",
