@@ -1,7 +1,12 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import datasets
@@ -417,3 +422,45 @@ class TestNumProc:
             pack_dataset(Dataset.from_dict(columns), 40).to_dict()
         with pytest.raises(PackingValueError, match=r"`num_proc` must be a positive integer or None .*got 0"):
             pack_dataset(Dataset.from_dict(columns), 40, num_proc=0)
+
+
+_KILLED_WRITER = """
+import sys, time
+import datasets
+from llm_packing import pack_dataset
+from llm_packing.data._io import packed_cache
+
+write = packed_cache.PackedWriter.write
+
+def write_then_hang(self, table):
+    future = write(self, table)
+    future.result()
+    open(sys.argv[2], "w").close()  # a chunk is on disk: tell the parent, then wait for the kill
+    time.sleep(600)
+
+packed_cache.PackedWriter.write = write_then_hang
+pack_dataset(datasets.Dataset.from_file(sys.argv[1]), 40)
+"""
+
+
+def test_a_pack_killed_mid_write_leaves_nothing_a_later_call_takes_as_complete(tmp_path):
+    """SIGKILL while the cache file is being written (no handler runs): the half-written file never has the cache
+    file's name, the next call packs every token and writes a complete file, and the orphaned temporary goes."""
+    dataset = mapped(tmp_path, random_columns(num_rows=300))
+    started = tmp_path / "chunk-written"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, dataset.cache_files[0]["filename"], str(started)])
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the writer never wrote a chunk"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    orphans = [path.name for path in tmp_path.iterdir() if path.name.startswith(f"tmp-llm_packing-{child.pid}-")]
+    assert len(orphans) == 1 and os.path.getsize(tmp_path / orphans[0]) > 0
+    packed = pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)
+    assert _documents(packed) == sorted(tuple(ids) for ids in dataset["input_ids"] if ids)
+    assert not (tmp_path / orphans[0]).exists()
+    assert pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)["input_ids"] == (
+        packed["input_ids"])  # the complete file is what a later call loads

@@ -124,7 +124,8 @@ def pack_dataset_on_ray(
     schema = packed_schema(num_tokens, keeps_labels, return_position_ids)
     ranges = row_ranges(plan.tokens_per_bin, num_shards or max(1, int(ray.cluster_resources().get("CPU", 1))))
     paths = shard_paths(os.path.join(output_dir, f"{_STEM}.{output_format}"), max(len(ranges), 1))
-    prefix = f"tmp-llm_packing-{uuid.uuid4().hex[:12]}-"
+    # Not a process id after the prefix: the writers' rule for orphans (a dead pid) does not apply across machines.
+    prefix = f"tmp-llm_packing-ray-{uuid.uuid4().hex[:12]}-"
     writes = []
     for index, ((first, last), path) in enumerate(zip(ranges or [(0, 0)], paths, strict=True)):
         offsets = plan.bin_offsets[first : last + 1]
