@@ -15,7 +15,8 @@ from llm_packing.errors import PackingError, PackingValueError
 
 
 ray = pytest.importorskip("ray", reason="pack_dataset_on_ray needs the extra: pip install 'llm_packing[ray]'")
-pytestmark = pytest.mark.slow
+# One cluster for the module: under `pytest -n 2 --dist loadgroup` every test here runs in the same worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 from llm_packing.data.on_ray import pack_dataset_on_ray, read_packed_on_ray  # noqa: E402
 
