@@ -319,7 +319,7 @@ class TestCache:
         the same rows (nothing is packed again), and another epoch pairs the same documents anew."""
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
         first, second = epochs.repack(0), epochs.repack(1)
-        monkeypatch.setattr(dataset_module, "pack_sequences", _never_called)
+        monkeypatch.setattr(dataset_module, "plan_rows", _never_called)
         again = epochs.repack(0)
         files = [dataset.cache_files[0]["filename"] for dataset in (first, second, again)]
         assert files[0] == files[2] != files[1]
