@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import tempfile
 import threading
 
@@ -140,21 +141,31 @@ def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
     return datasets.table.MemoryMappedTable(table, path)
 
 
-# A packed file is written under a temporary name holding the writer's process id, renamed once complete.
+# A packed file is written under a temporary name holding the writer's host and process id, renamed once complete.
 _TEMPORARY_PREFIX = "tmp-llm_packing-"
-_TEMPORARY_NAME = re.compile(rf"{_TEMPORARY_PREFIX}(\d+)-")
+_TEMPORARY_NAME = re.compile(rf"{_TEMPORARY_PREFIX}(?P<host>[^/]+)-(?P<pid>\d+)-")
+
+
+def _host() -> str:
+    """This machine's name as it goes into a file name (no '-' or '/', which delimit the fields)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _local_temporary_prefix() -> str:
+    return f"{_TEMPORARY_PREFIX}{_host()}-{os.getpid()}-"
 
 
 def remove_orphaned_temporaries(directory: str) -> list[str]:
     """
     Remove the temporary files of packed writes whose process is gone (killed mid-write, e.g. by SIGKILL or the OOM
     killer, which leaves no chance to clean up): a half-written file is never taken for a cache file, since only a
-    complete one is renamed to its cache name, but it would keep its disk space. Returns the paths removed.
+    complete one is renamed to its cache name, but it would keep its disk space. Only this machine's files: on a
+    folder several machines share, another machine's process ids mean nothing here. Returns the paths removed.
     """
-    removed = []
+    removed, host = [], _host()
     for name in os.listdir(directory):
         match = _TEMPORARY_NAME.match(name)
-        if match and not _process_alive(int(match.group(1))):
+        if match and match["host"] == host and not _process_alive(int(match["pid"])):
             path = os.path.join(directory, name)
             with contextlib.suppress(FileNotFoundError):  # another writer removed it first
                 os.remove(path)
@@ -209,7 +220,7 @@ class PackedWriter:
             os.makedirs(directory, exist_ok=True)
             remove_orphaned_temporaries(directory)
             self._fd, self._temporary = tempfile.mkstemp(
-                dir=directory, prefix=temporary_prefix or f"{_TEMPORARY_PREFIX}{os.getpid()}-")
+                dir=directory, prefix=temporary_prefix or _local_temporary_prefix())
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)
