@@ -4,9 +4,8 @@ A recipe with `trainer: dpo` (or `grpo`) takes TRL's `DPOConfig` (`GRPOConfig`) 
 `dataset_name: chitchat` gives the preference pairs of [`~llm_packing.demo.chitchat.load_chitchat_preference_pairs`]
 (the real reply chosen, another conversation's reply rejected), and for GRPO their prompts; any other dataset needs
 TRL's `prompt`/`chosen`/`rejected` (`prompt`) columns. The model trains with
-[`~llm_packing.trainers.dpo.PackedDPOTrainer`] or [`~llm_packing.trainers.grpo.PackedGRPOTrainer`], which configure
-and verify
-the hook. GRPO's reward is [`reply_length_reward`], which runs offline.
+[`~llm_packing.trainers.dpo.PackedDPOTrainer`] or [`~llm_packing.trainers.grpo.PackedGRPOTrainer`], which configure and
+verify the hook. GRPO's reward is [`reply_length_reward`], which runs offline.
 """
 
 import copy
@@ -64,6 +63,11 @@ def train_preference(script_args, training_args, model_args, packing_args):
             f"`trainer: {script_args.trainer}` always packs its forwards with the indexed mask; got `block_diag_attn: "
             f"{packing_args.block_diag_attn}`, `padding_free: {packing_args.padding_free}`. Remove both keys, or "
             f"train unpacked with TRL's own `trl {script_args.trainer}` command."
+        )
+    if packing_args.packing_engine != "local":
+        raise PackingValueError(
+            f"`packing_engine: {packing_args.packing_engine}` packs the documents of `trainer: sft`; "
+            f"`trainer: {script_args.trainer}` packs its pairs batch by batch. Remove `packing_engine`."
         )
     setup_logging(training_args)
     set_seed(training_args.seed)

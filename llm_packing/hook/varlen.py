@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.checks import check_choice
+from ..core.rows import position_ids
 from ..errors import UnsupportedSetupError
 from . import registry
 from .documents import bucket_bounds, documents_of
@@ -110,7 +111,7 @@ class PackedAttentionMask:
 def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     pieces = -(-lengths // chunk)
     document = np.repeat(np.arange(len(lengths)), pieces)
-    index = np.arange(len(document)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    index = position_ids(pieces)  # which piece of its document
     return starts[document] + index * chunk, np.minimum(lengths[document] - index * chunk, chunk)
 
 
@@ -240,16 +241,13 @@ def check_route(attention_route, config) -> None:
 
 
 def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.Tensor) -> PackedAttentionMask | None:
-    """What a patched sdpa mask builder returns for a validated indexed mask: its [`PackedAttentionMask`], or `None`
-    where the dense route must build the mask (route forced dense, an architecture or an extra mask function that
-    SDPA per document cannot express)."""
+    """What a patched sdpa mask builder returns for a validated indexed mask without mask functions (those take
+    `hook.mask_functions`): its [`PackedAttentionMask`], or `None` where the dense route must build the mask (route
+    forced dense, an architecture that SDPA per document cannot express)."""
     from .support.architectures import sdpa_route
 
     config = arguments["config"]
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
-        return None
-    extra_masks = ("or_mask_function", "and_mask_function", "block_sequence_ids")
-    if any(arguments.get(name) is not None for name in extra_masks):
         return None
     if builder_name == "create_sliding_window_causal_mask":
         return packed_attention_mask(attention_mask, window=config.sliding_window)

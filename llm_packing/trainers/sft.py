@@ -10,7 +10,6 @@ that would cut or mix documents raises a [`~llm_packing.errors.PackingError`] fr
 """
 
 import copy
-import logging
 import os
 
 import pyarrow.compute as pc
@@ -23,12 +22,9 @@ from ..core.checks import check_integer
 from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
-from ..hook.configure import configure_packing
-from ..hook.verify import verify_packing
+from ..hook.verify import configure_and_verify
 from .sft_data import check_format, column_names, is_packed, pack_documents
 
-
-logger = logging.getLogger(__name__)
 
 # `SFTConfig()`'s own max_length: for rows packed already, a value the user most likely never chose, so the packed
 # rows' length replaces it. For datasets the trainer packs, it is the row length, as it is TRL's truncation length.
@@ -108,6 +104,8 @@ class PackedSFTTrainer(SFTTrainer):
     'Ciao</s> Hello</s>'
     >>> trainer.data_collator([row])["attention_mask"]
     tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
+    >>> from llm_packing import unconfigure_packing
+    >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
     ```
     """
@@ -166,14 +164,8 @@ class PackedSFTTrainer(SFTTrainer):
         return packed
 
     def _configure_model(self, verify: bool) -> None:
-        configure_packing(self.model)
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        if not verify:
-            logger.info("%sisolation not verified (`verify_packing` off)", where)
-            return
-        difference = verify_packing(self.model)
-        logger.info("%sisolation verified: packed logits equal per-document logits (max abs diff %.2g)", where,
-                    difference)
+        configure_and_verify(self.model, verify=verify, where=where)
 
 
 def _sft_config(args, model) -> SFTConfig:
