@@ -130,8 +130,8 @@ def _pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: int, overflo
         if len(uncuttable):
             row = int(uncuttable[0])
             raise SequenceTooLongError(
-                f"`overflow`={overflow!r} would cut inside an image: row {row} has {tokens[row]} tokens with its image "
-                f"placeholders expanded, and its last image ends at token {images_end[row]}, past `max_length`="
+                f"`overflow`={overflow!r} would cut inside an image: row {row} has {tokens[row]} tokens with its "
+                f"image placeholders expanded, and its last image ends at token {images_end[row]}, past `max_length`="
                 f"{max_length} ({len(uncuttable)} such row(s)). A cut inside an image's tokens, or one that separates "
                 f"the images of a conversation, is never made. Raise `max_length` to at least {images_end[row]}, use "
                 "fewer or smaller images in those rows, or pass `overflow='drop'`."
