@@ -4,7 +4,7 @@ Each document is processed alone, by the call TRL's vision collator makes (`proc
 tokenize=True, return_dict=True)` on the messages with the images put in them, no special tokens added, here neither
 padded nor truncated), its images decoded from the row as `datasets` decodes them (only that row's). Its token count
 is checked against the plan `pack_dataset` packed it by, then the documents are laid out with
-[`~llm_packing.batches.image_text.pack_documents`]: token columns end to end, the indexed `attention_mask`,
+[`~llm_packing.batches.image_text.pack_image_text_documents`]: token columns end to end, the indexed `attention_mask`,
 `position_ids` restarting per document (2-D: the hook computes the 3-D positions of mRoPE models per document), the
 pixel tensors and grids of the images in packed order.
 
@@ -26,11 +26,10 @@ from ..errors import PackingTypeError, PackingValueError
 
 # Columns of a processor's output laid out along the tokens of a document (the rest are media: pixels, grids).
 # Mllama's `cross_attention_mask` is `(batch, tokens, images, tiles)`.
-TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "cross_attention_mask")
+TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids",
+                 "cross_attention_mask")
 _PLAN_COLUMNS = ("seq_lengths", "seq_starts", "conversation_lengths")
 _MEDIA_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
-# pack_documents' name for a processor's layout of media tensors, where it is not the default one.
-_LAYOUTS = {"Idefics3Processor": "idefics3", "SmolVLMProcessor": "smolvlm", "MllamaProcessor": "mllama"}
 
 
 def media_token_ids(processor) -> list[int]:
@@ -42,18 +41,16 @@ def media_token_ids(processor) -> list[int]:
 def collate_conversations(features: list[dict], processor, *, chat_template=None, assistant_only_loss=False,
                           pad_to_multiple_of=None, max_length=None, pad_token_id=0) -> tuple[dict, int]:
     """The batch of the image-text rows `features`, and the most documents a row holds."""
-    from .image_text import pack_documents
+    from .image_text import pack_image_text_documents
 
-    documents, rows, labels = [], [], []
+    documents, rows = [], []
     for index, feature in enumerate(_checked(features)):
         row = []
         for number, plan in enumerate(_plans(feature, index)):
             where = f"document {number} of feature {index}"
             document = _processed(processor, feature, number, where, chat_template, assistant_only_loss)
-            document, document_labels = _piece(document, plan, where, processor)
             row.append(len(documents))
-            documents.append(document)
-            labels.append(document_labels)
+            documents.append(_piece(document, plan, where, processor))
         rows.append(row)
     row_lengths = [sum(documents[d]["input_ids"].shape[1] for d in row) for row in rows]
     if max_length is not None and max(row_lengths) > max_length:
@@ -65,12 +62,18 @@ def collate_conversations(features: list[dict], processor, *, chat_template=None
     width = max(row_lengths)
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-    layout = next((_LAYOUTS[cls.__name__] for cls in type(processor).__mro__ if cls.__name__ in _LAYOUTS), None)
-    batch = pack_documents(documents, rows, width, layout)
-    batch.pop("spans", None)
+    batch = pack_image_text_documents(documents, rows, width, model_type=model_type_of(processor))
     batch["input_ids"][batch["attention_mask"] == 0] = pad_token_id
-    batch["labels"] = _laid_out_labels(labels, rows, width)
     return batch, max(len(row) for row in rows)
+
+
+def model_type_of(processor) -> str:
+    """The model type whose processor `processor` is (the first in transformers' processor mapping): it names the
+    layout of its media tensors."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    names = {cls.__name__ for cls in type(processor).__mro__}
+    return next((model_type for model_type, name in PROCESSOR_MAPPING_NAMES.items() if name in names), "")
 
 
 def _checked(features) -> list[Mapping]:
@@ -104,7 +107,8 @@ def _plans(feature, index: int) -> list[tuple[int, int, int] | None]:
             "it was not made by `pack_dataset(..., processor=...)`, or was cut afterwards. Pack it with pack_dataset."
         )
     lengths, starts, totals = columns
-    return [(int(start), int(length), int(total)) for start, length, total in zip(starts, lengths, totals, strict=True)]
+    return [(int(start), int(length), int(total))
+            for start, length, total in zip(starts, lengths, totals, strict=True)]
 
 
 def _processed(processor, feature, number: int, where: str, chat_template, assistant_only_loss) -> dict:
@@ -121,16 +125,16 @@ def _processed(processor, feature, number: int, where: str, chat_template, assis
     return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
 
 
-def _piece(document: dict, plan, where: str, processor) -> tuple[dict, torch.Tensor]:
-    """The planned piece of a processed document (checked against the plan), and its labels."""
+def _piece(document: dict, plan, where: str, processor) -> dict:
+    """The planned piece of a processed document (checked against the plan), with its labels."""
     tokens = document["input_ids"].shape[1]
     start, length = 0, tokens
     if plan is not None:
         start, length, planned = plan
         if tokens != planned:
             raise PackingValueError(
-                f"{where}: the processor gave {tokens} tokens, but the conversation was packed as {planned}: its image "
-                "placeholders expand to another count than planned from the images' sizes (images changed since "
+                f"{where}: the processor gave {tokens} tokens, but the conversation was packed as {planned}: its "
+                "image placeholders expand to another count than planned from the images' sizes (images changed since "
                 "packing, or a processor other than the one given to pack_dataset, or set up differently). Pack again "
                 "with the processor you train with: `pack_dataset(..., processor=processor)`."
             )
@@ -143,27 +147,15 @@ def _piece(document: dict, plan, where: str, processor) -> tuple[dict, torch.Ten
             f"{int(is_media.sum())} image tokens; a piece must hold all of a conversation's images or none. Pack it "
             "again with pack_dataset, which never cuts an image."
         )
-    labels = document["input_ids"][0].clone()
-    labels[is_media] = IGNORE_INDEX
+    labels = document["input_ids"].clone()
+    labels[0, is_media] = IGNORE_INDEX
     masks = document.pop("assistant_masks", None)
     if masks is not None:
-        labels[masks[0] == 0] = IGNORE_INDEX
+        labels[masks == 0] = IGNORE_INDEX
+    document["labels"] = labels
     if (start, length) == (0, tokens):
-        return document, labels
+        return document
     piece = {name: value[:, start : start + length] for name, value in document.items() if name in TOKEN_COLUMNS}
     if kept:  # the head of a truncated or split conversation: it holds every image
         piece.update({name: value for name, value in document.items() if name not in TOKEN_COLUMNS})
-    return piece, labels[start : start + length]
-
-
-def _laid_out_labels(labels: list[torch.Tensor], rows: list[list[int]], width: int) -> torch.Tensor:
-    """Each row's documents' labels end to end, -100 on each document's first token and on padding."""
-    out = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for row, documents in enumerate(rows):
-        start = 0
-        for document in documents:
-            length = len(labels[document])
-            out[row, start : start + length] = labels[document]
-            out[row, start] = IGNORE_INDEX
-            start += length
-    return out
+    return piece
