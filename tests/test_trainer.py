@@ -266,7 +266,7 @@ def test_refusal_after_trainer_init_leaves_no_output_folder(tmp_path, tokenizer,
     def contaminated(model):
         raise ContaminationError("documents attend across boundaries")
 
-    monkeypatch.setattr("llm_packing.trainers.sft.verify_packing", contaminated)
+    monkeypatch.setattr("llm_packing.hook.verify.verify_packing", contaminated)
     output_dir = tmp_path / "out"
     with pytest.raises(ContaminationError):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **QUIET),

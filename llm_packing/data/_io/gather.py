@@ -126,30 +126,34 @@ class _Reader:
                 last = min(last, int(np.searchsorted(addresses, addresses[first] + span, side="left")))
             last = max(last, first + 1)
             part = order[first:last]
-            size = int(ends[last - 1] - base)
-            by_runs = size >= _RUN_COPY_MIN_TOKENS * len(part)
-            if by_runs:
-                destination = None
-            elif self._pages.bounds:
-                destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
-            else:
-                destination = slice(base, base + size)
-            for name, column in self._columns.items():
-                if by_runs and not column.bits:
-                    column.copy_runs(self._starts[name][ids[part]], lengths[part], buffers[name], positions[part])
-                    continue
-                if destination is None:
-                    destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
-                source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
-                if column.bits:
-                    buffers[name][destination] = column.take(source)
-                elif isinstance(destination, slice):  # straight into place
-                    column.take(source, out=buffers[name][destination])
-                else:
-                    buffers[name][destination] = column.take(source, out=self._values[:size])
+            self._copy_slice(buffers, ids[part], positions[part], lengths[part], base, int(ends[last - 1] - base))
             self._pages.check()
             first = last
         return buffers
+
+    def _copy_slice(self, buffers, ids, positions, lengths, base: int, size: int) -> None:
+        """The tokens of one slice of pieces into `buffers`: run by run where pieces are long, else by a gather of
+        token indices (straight into place when the slice lies in row order)."""
+        by_runs = size >= _RUN_COPY_MIN_TOKENS * len(ids)
+        if by_runs:
+            destination = None
+        elif self._pages.bounds:
+            destination = segment_aranges(positions, lengths, out=self._destination[:size])
+        else:
+            destination = slice(base, base + size)
+        for name, column in self._columns.items():
+            if by_runs and not column.bits:
+                column.copy_runs(self._starts[name][ids], lengths, buffers[name], positions)
+                continue
+            if destination is None:
+                destination = segment_aranges(positions, lengths, out=self._destination[:size])
+            source = segment_aranges(self._starts[name][ids], lengths, out=self._source[:size])
+            if column.bits:
+                buffers[name][destination] = column.take(source)
+            elif isinstance(destination, slice):  # straight into place
+                column.take(source, out=buffers[name][destination])
+            else:
+                buffers[name][destination] = column.take(source, out=self._values[:size])
 
 
 def _row_values(group, tokens, lengths, names) -> dict[str, np.ndarray]:
