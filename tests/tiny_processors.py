@@ -200,3 +200,40 @@ def make_processor(family: str):
     processor = spec["processor"](make_tokenizer(spec["tokens"], spec.get("extra", ())))
     processor.chat_template = chat_template(spec["prompt"])
     return processor
+
+
+# Tiny image-text models for the processors above: the tests' shrink (tests/tiny_models.py) plus vision towers small
+# enough for CPU, the processor's token ids written into the config, the vocabulary the tokenizer's.
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # sums to head_dim / 2
+MODEL_CONFIGS = {
+    "qwen2_5_vl": {
+        # Window attention over 2x2 merged tokens (56 px) in block 0, full attention in block 1.
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]},
+        "text_config": {"rope_parameters": _MROPE},
+        "token_ids": {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                      "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"},
+    },
+}
+
+
+def tiny_image_text_model(family: str, processor, attn_implementation: str = "sdpa", seed: int = 0):
+    """A randomly initialised float32 model of `family` matching `processor` (its token ids and vocabulary)."""
+    import torch
+    from tiny_models import tiny_config
+
+    spec = dict(MODEL_CONFIGS[family])
+    token_ids = {field: processor.tokenizer.convert_tokens_to_ids(token)
+                 for field, token in spec.pop("token_ids").items()}
+    vocab = len(processor.tokenizer)
+    text = {**spec.pop("text_config", {}), "vocab_size": vocab}
+    config = tiny_config(family, text_config=text, **spec)
+    for part in (config, getattr(config, "text_config", None)):
+        for field, value in {**token_ids, "vocab_size": vocab}.items():
+            if part is not None and (hasattr(part, field) or field in getattr(part, "attribute_map", {})):
+                setattr(part, field, value)
+        if part is not None:
+            part.use_cache = False
+    torch.manual_seed(seed)
+    return transformers.AutoModelForImageTextToText.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32)
