@@ -45,6 +45,10 @@ def image_size(image, where: str) -> tuple[int, int]:
         return image.size
     with _opened(image, where) as opened:
         width, height = opened.size
+        # A PNG's EXIF chunk may follow its pixels, and Pillow decodes them to find it: only one seen before them
+        # is read (an orientation in a late chunk, which `datasets` would apply, is missed).
+        if opened.format == "PNG" and "exif" not in opened.info:
+            return width, height
         try:
             orientation = opened.getexif().get(_ORIENTATION_TAG)
         except Exception:  # a corrupt EXIF block: datasets would fail on it too, when decoding
