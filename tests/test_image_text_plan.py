@@ -117,8 +117,8 @@ def test_a_missing_or_unreadable_file_names_the_row_and_the_path(tmp_path):
 def test_a_placeholder_typed_in_the_text_is_refused_with_its_count():
     processor = tiny_processor("qwen2_5_vl")
     messages = [{"role": "user", "content": "Look: <|image_pad|>"}, {"role": "assistant", "content": "Yes."}]
-    with pytest.raises(PackingValueError,
-                       match=r"row 4: its chat text holds 2 image placeholder\(s\) '<\|image_pad\|>' for 1 image\(s\)"):
+    expected = r"row 4: its chat text holds 2 image placeholder\(s\) '<\|image_pad\|>' for 1 image\(s\)"
+    with pytest.raises(PackingValueError, match=expected):
         ConversationPlanner(processor).plan(messages, [photo_bytes(0, (56, 56))], "row 4")
 
 
