@@ -48,23 +48,22 @@ def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: s
     """
     `(tokens, images_end)` of every row of `dataset`: the conversation's token count with its images' placeholders
     expanded, and the tokens up to the end of its last image (0 without images), as int64 arrays. Planned with
-    `Dataset.map` (cached like any map, `num_proc` processes), images read with decoding off.
+    `Dataset.map` over the Arrow rows (cached like any map, `num_proc` processes): images are read as stored, never
+    decoded.
     """
     _check_format(dataset)
     images = image_column(dataset)
-    undecoded = _without_decoding(dataset, images)
+    single = images == "image"
     planner = ConversationPlanner(processor, chat_template)
 
-    single = images == "image"
-
-    def plan(messages, values, indices):
-        rows = [planner.plan(conversation, _as_list(value, single), f"row {index}")
-                for conversation, value, index in zip(messages, values, indices, strict=True)]
+    def plan(batch: pa.Table, indices):  # Arrow rows: images as stored ({"bytes", "path"}), never decoded
+        rows = [planner.plan(conversation, _as_list(value, single), f"row {index}") for conversation, value, index
+                in zip(batch["messages"].to_pylist(), batch[images].to_pylist(), indices, strict=True)]
         return {"tokens": [tokens for tokens, _ in rows], "images_end": [end for _, end in rows]}
 
-    counts = undecoded.map(
-        plan, batched=True, with_indices=True, input_columns=["messages", images], num_proc=num_proc,
-        remove_columns=undecoded.column_names, desc="Planning image-text token counts",
+    counts = dataset.with_format("arrow").map(
+        plan, batched=True, with_indices=True, num_proc=num_proc, remove_columns=dataset.column_names,
+        desc="Planning image-text token counts",
         features=datasets.Features({"tokens": datasets.Value("int64"), "images_end": datasets.Value("int64")}),
     )
     table = counts.with_format("numpy")
@@ -92,7 +91,7 @@ def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: 
                           max_docs_per_bin=options["max_docs_per_bin"])
     stats = dataclasses.replace(plan.stats, **pieces.counts())
     images = image_column(dataset)
-    table = _without_decoding(dataset, images).with_format("arrow")
+    table = dataset.with_format("arrow")
     features = _packed_features(dataset, images)
     writer = PackedWriter(target, features.arrow_schema, stats)
     try:
@@ -137,13 +136,6 @@ def _pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: int, overflo
                 "fewer or smaller images in those rows, or pass `overflow='drop'`."
             )
     return cut_pieces(tokens, max_length, overflow)
-
-
-def _without_decoding(dataset: datasets.Dataset, column: str) -> datasets.Dataset:
-    """`dataset` with its image column read as stored (paths, bytes): no image decoded when rows are read."""
-    feature = dataset.features[column]
-    undecoded = _undecoded(feature)
-    return dataset if undecoded == feature else dataset.cast_column(column, undecoded)
 
 
 def _undecoded(feature):
