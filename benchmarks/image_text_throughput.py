@@ -131,8 +131,8 @@ def table(totals: dict, lengths: np.ndarray, args) -> list[str]:
         f"float32, sdpa; load average {load:.1f} at the end (a shared machine: CPU time is the steadier "
         "measure).",
         f"Recipe model and conversations (`recipes/tiny-cpu-vlm.yaml`) x {args.repeat}: {len(lengths)} conversations, "
-        f"{int(lengths.sum())} tokens with images expanded, {int(lengths.min())}-{int(lengths.max())} per conversation "
-        f"(median {int(np.median(lengths))}); budget {args.rows} x {args.max_length} tokens per step; "
+        f"{int(lengths.sum())} tokens with images expanded, {int(lengths.min())}-{int(lengths.max())} per "
+        f"conversation (median {int(np.median(lengths))}); budget {args.rows} x {args.max_length} tokens per step; "
         f"{args.rounds} interleaved rounds of one epoch each.", "",
         "| configuration | steps/epoch | real tokens | padding | tokens/s (CPU) | tokens/s (wall) | collate s/step |",
         "|---|---|---|---|---|---|---|",
