@@ -1,7 +1,12 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import datasets
@@ -309,10 +314,32 @@ class TestCache:
             writer.finish(None)
         assert list(tmp_path.iterdir()) == []
 
-    def test_epochs_each_get_a_cache_file(self, tmp_path):
+    def test_epochs_each_get_a_cache_file(self, tmp_path, monkeypatch):
+        """Each epoch's rows are written once, to a file of its own: the same epoch asked again loads that file with
+        the same rows (nothing is packed again), and another epoch pairs the same documents anew."""
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
-        files = {epochs.repack(epoch).cache_files[0]["filename"] for epoch in (0, 1, 0)}
-        assert len(files) == 2
+        first, second = epochs.repack(0), epochs.repack(1)
+        monkeypatch.setattr(dataset_module, "pack_sequences", _never_called)
+        again = epochs.repack(0)
+        files = [dataset.cache_files[0]["filename"] for dataset in (first, second, again)]
+        assert files[0] == files[2] != files[1]
+        assert again["input_ids"] == first["input_ids"] and again["seq_lengths"] == first["seq_lengths"]
+        assert first["input_ids"] != second["input_ids"]
+        assert sorted(map(len, first["input_ids"])) == sorted(map(len, second["input_ids"]))
+        assert _documents(first) == _documents(second)
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("packed again instead of loading the epoch's cache file")
+
+
+def _documents(packed) -> list[tuple[int, ...]]:
+    """Every document of the packed rows, as a sorted list of token tuples."""
+    found = []
+    for ids, lengths in zip(packed["input_ids"], packed["seq_lengths"], strict=True):
+        bounds = np.cumsum([0, *lengths])
+        found += [tuple(ids[a:b]) for a, b in itertools.pairwise(bounds)]
+    return sorted(found)
 
 
 
@@ -395,3 +422,45 @@ class TestNumProc:
             pack_dataset(Dataset.from_dict(columns), 40).to_dict()
         with pytest.raises(PackingValueError, match=r"`num_proc` must be a positive integer or None .*got 0"):
             pack_dataset(Dataset.from_dict(columns), 40, num_proc=0)
+
+
+_KILLED_WRITER = """
+import sys, time
+import datasets
+from llm_packing import pack_dataset
+from llm_packing.data._io import packed_cache
+
+write = packed_cache.PackedWriter.write
+
+def write_then_hang(self, table):
+    future = write(self, table)
+    future.result()
+    open(sys.argv[2], "w").close()  # a chunk is on disk: tell the parent, then wait for the kill
+    time.sleep(600)
+
+packed_cache.PackedWriter.write = write_then_hang
+pack_dataset(datasets.Dataset.from_file(sys.argv[1]), 40)
+"""
+
+
+def test_a_pack_killed_mid_write_leaves_nothing_a_later_call_takes_as_complete(tmp_path):
+    """SIGKILL while the cache file is being written (no handler runs): the half-written file never has the cache
+    file's name, the next call packs every token and writes a complete file, and the orphaned temporary goes."""
+    dataset = mapped(tmp_path, random_columns(num_rows=300))
+    started = tmp_path / "chunk-written"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, dataset.cache_files[0]["filename"], str(started)])
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the writer never wrote a chunk"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    orphans = [path.name for path in tmp_path.iterdir() if path.name.startswith(f"tmp-llm_packing-{child.pid}-")]
+    assert len(orphans) == 1 and os.path.getsize(tmp_path / orphans[0]) > 0
+    packed = pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)
+    assert _documents(packed) == sorted(tuple(ids) for ids in dataset["input_ids"] if ids)
+    assert not (tmp_path / orphans[0]).exists()
+    assert pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)["input_ids"] == (
+        packed["input_ids"])  # the complete file is what a later call loads

@@ -7,8 +7,8 @@ sliding windows / attention chunks of the tiny configs are all covered. The refe
 (batch 1, no padding, positions 0..n-1).
 
 sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/varlen.py; the test asserts that it is
-taken
-and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one route.
+taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one
+route.
 
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """

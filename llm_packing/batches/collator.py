@@ -151,8 +151,7 @@ class DataCollatorWithPacking(DataCollatorMixin):
             document_index = segment_aranges(np.ones(1, np.int64), docs_per_row)  # 1, 2, ... in each row
             batch["attention_mask"] = _padded(tokens, np.repeat(document_index, doc_lengths), 0)
         if self.return_flash_attn_kwargs:
-            # Each row's trailing padding is one segment, so padding adds one entry to `cu_seq_lens`, not one per
-            # token.
+            # Each row's trailing padding is one segment: padding adds one entry to `cu_seq_lens`, not one per token.
             row_ends = np.cumsum(docs_per_row)
             segments = np.insert(doc_lengths, row_ends, width - row_lengths)
             segments = segments[segments > 0]

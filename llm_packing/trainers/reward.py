@@ -3,8 +3,8 @@
 A reward model (a `*ForSequenceClassification` head with one label) scores each sequence at its last real token.
 `RewardTrainer` runs it on a padded batch of `[chosen..., rejected...]` sequences; here the real tokens of the batch go
 into one packed row ([`~llm_packing.batches.padded_forward.pack_padded_batch`]), the backbone runs once with every
-sequence
-isolated by [`~llm_packing.configure_packing`], and the head scores each sequence at the token transformers would
+sequence isolated by [`~llm_packing.configure_packing`], and the head scores each sequence at the token transformers
+would
 pick in the padded batch (the rightmost token that is not `pad_token_id`). The loss and metrics code is TRL's own.
 """
 

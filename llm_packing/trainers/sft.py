@@ -3,9 +3,8 @@
 Stock `SFTTrainer` given packed rows with its defaults cuts them to `SFTConfig.max_length` (1024) and collates them
 with an all-ones mask, so documents attend to each other. This subclass keeps TRL's training loop, loss and logging,
 and changes only what packed rows need: TRL's dataset preparation off (no truncation, no re-tokenizing), our
-[`~llm_packing.batches.collator.DataCollatorWithPacking`], the hook configured and verified on the model. Every
-setting that
-would cut or mix documents raises a [`~llm_packing.errors.PackingError`] from the constructor.
+[`~llm_packing.batches.collator.DataCollatorWithPacking`], the hook configured and verified on the model. Every setting
+that would cut or mix documents raises a [`~llm_packing.errors.PackingError`] from the constructor.
 """
 
 import copy
@@ -79,6 +78,8 @@ class PackedSFTTrainer(SFTTrainer):
     >>> batch["labels"]
     tensor([[-100,    6,    7, -100],
             [-100,    9, -100, -100]])
+    >>> from llm_packing import unconfigure_packing
+    >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
     ```
     """

@@ -5,8 +5,7 @@ document maps a whole page-cache folio (hundreds of KiB here) into the process, 
 in full (15 GiB at 10M rows). Instead the rows are cut into groups of about `group_tokens`; a group's documents are
 read in input order, a bounded slice at a time, each slice's tokens put where they go in the group's buffers, and
 [`~llm_packing.data._io.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up: a sweep
-in input
-order maps each folio once per group instead of once per document. A group is then handed to the writer (which
+in input order maps each folio once per group instead of once per document. A group is then handed to the writer (which
 writes on its own thread) a chunk of about `chunk_tokens` at a time, while the next group is read into a second set
 of buffers; each set is reused once its rows are written (fresh memory costs page faults). An input in memory, or
 mapping less than the limit, is read in row order instead, straight into place: nothing there to bound.
@@ -21,9 +20,8 @@ from ...core.rows import ignore_document_starts, ignore_masked, position_ids, se
 def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages,
                between_groups=None) -> None:
     """
-    Gather the packed rows and hand them to `writer` (a [`~llm_packing.data._io.packed_cache.PackedWriter`]) a chunk
-    at a
-    time.
+    Gather the packed rows and hand them to `writer` (a [`~llm_packing.data._io.packed_cache.PackedWriter`]) a chunk at
+    a time.
 
     Args:
         columns (`dict[str, TokenColumn]`): The columns to read by name (`input_ids`, and `labels` / masks when the

@@ -9,12 +9,14 @@ file written with another column layout is never read as this one.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
 import mmap
 import os
+import re
 import tempfile
 import threading
 
@@ -138,6 +140,38 @@ def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
     return datasets.table.MemoryMappedTable(table, path)
 
 
+# A packed file is written under a temporary name holding the writer's process id, renamed once complete.
+_TEMPORARY_PREFIX = "tmp-llm_packing-"
+_TEMPORARY_NAME = re.compile(rf"{_TEMPORARY_PREFIX}(\d+)-")
+
+
+def remove_orphaned_temporaries(directory: str) -> list[str]:
+    """
+    Remove the temporary files of packed writes whose process is gone (killed mid-write, e.g. by SIGKILL or the OOM
+    killer, which leaves no chance to clean up): a half-written file is never taken for a cache file, since only a
+    complete one is renamed to its cache name, but it would keep its disk space. Returns the paths removed.
+    """
+    removed = []
+    for name in os.listdir(directory):
+        match = _TEMPORARY_NAME.match(name)
+        if match and not _process_alive(int(match.group(1))):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class PackedWriter:
     """
     Collects the packed rows chunk by chunk: each chunk is written to `target.path` (through a temporary file, renamed
@@ -150,13 +184,12 @@ class PackedWriter:
 
     The output does not go through the page cache, as a streaming writer's should not: a corpus-sized output would
     evict the input it is gathered from, and filling, writing back and freeing a page-cache page per page of output
-    is most of what writing costs (on this project's virtual machines, which return freed memory to the host, 1,600
-    MiB written 4 MiB at a time through the page cache took 3.9 s, nearly all system time: `first_touch.py`).
-    Where the filesystem takes `O_DIRECT` ([`~llm_packing.data._io.direct_writes.DirectFile`]), each chunk goes from
-    the
-    thread's serialisation buffer to the disk (0.35 s for the same writes); elsewhere writes drop behind them (0.44 s):
-    each written chunk is sent to disk at once, and the pages more than `_DROP_BEHIND_BYTES` behind the newest chunk
-    leave the page cache once on disk (the kernel keeps any not written yet), so that the next chunks reuse them.
+    is most of what writing costs on virtual machines that return freed memory to the host
+    (benchmarks/results/first_touch.md). Where the filesystem takes `O_DIRECT`
+    ([`~llm_packing.data._io.direct_writes.DirectFile`]), each chunk goes from the thread's serialisation buffer to
+    the disk; elsewhere writes drop behind them: each written chunk is sent to disk at once, and the pages more than
+    `_DROP_BEHIND_BYTES` behind the newest chunk leave the page cache once on disk (the kernel keeps any not written
+    yet), so that the next chunks reuse them.
     Either way the packed rows are read from disk the first time training reads them.
     """
 
@@ -171,7 +204,8 @@ class PackedWriter:
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            remove_orphaned_temporaries(directory)
+            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix=f"{_TEMPORARY_PREFIX}{os.getpid()}-")
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)
