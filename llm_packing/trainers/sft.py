@@ -47,6 +47,10 @@ class PackedSFTTrainer(SFTTrainer):
     `pack_dataset`, the collator and the `SFTConfig` (`SFTConfig`'s default 1024 counts as unset), rows longer than
     that `max_length`, context or sequence parallelism, and a model the hook cannot isolate.
 
+    Image-text conversations in TRL's vision format (`messages` + `images`, the model's processor as
+    `processing_class`) are packed here, at `SFTConfig.max_length`, by their token counts with images expanded, and
+    collated by the processor (`assistant_only_loss` applies); see `trainers/image_text.py` and docs/images.md.
+
     Args:
         verify_packing (`bool`, *optional*, defaults to `True`):
             Run [`~llm_packing.verify_packing`] on the model after configuring the hook (four forwards of at most 16
