@@ -271,6 +271,11 @@ class PackedDatasetEpochs:
         check_overflow_policy(overflow)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+        if is_image_text(dataset):
+            raise PackingValueError(
+                "PackedDatasetEpochs packs tokenized text; image-text conversations are not repacked per epoch yet. "
+                "Call `pack_dataset(dataset, max_length, processor=processor, seed=epoch)` for each epoch instead."
+            )
         self._dataset, self._max_length, self._overflow = dataset, max_length, overflow
         self._documents = _Documents(dataset, max_length, overflow)
         self._options = {"strategy": strategy, "max_docs_per_bin": max_docs_per_bin,
