@@ -7,7 +7,7 @@ import pytest
 from tiny_processors import IMAGE_SIZES, photo_bytes, tiny_processor
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from llm_packing import pack_dataset
+from llm_packing import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingValueError, SequenceTooLongError
 
 
@@ -138,6 +138,8 @@ def test_bad_input_is_refused_before_packing(tmp_path):
         pack_dataset(text_and_images, 200, processor=processor)
     with pytest.raises(PackingValueError, match=r"Streaming image-text datasets are not packed yet"):
         pack_dataset(dataset([conversation(0)]).to_iterable_dataset(), 200, processor=processor)
+    with pytest.raises(PackingValueError, match=r"image-text conversations are not repacked per epoch yet"):
+        PackedDatasetEpochs(dataset([conversation(0)]), 200)
 
 
 def test_packing_again_loads_the_cached_rows(tmp_path):
