@@ -60,10 +60,11 @@ def trained_labels(batch: dict) -> list[list[int]]:
     return [trained for _, trained in sorted(documents)]
 
 
-@pytest.mark.parametrize("assistant_only_loss", [False, True])
-def test_first_step_loss_equals_trls_unpacked_training(assistant_only_loss, unconfigure_after):
-    processor = tiny_processor(FAMILY)
-    model = tiny_image_text_model(FAMILY, processor)
+@pytest.mark.parametrize("family, assistant_only_loss", [(FAMILY, False), (FAMILY, True), ("gemma3", True),
+                                                         ("llava", False)])
+def test_first_step_loss_equals_trls_unpacked_training(family, assistant_only_loss, unconfigure_after):
+    processor = tiny_processor(family)
+    model = tiny_image_text_model(family, processor)
     data = conversations()
     reference = SFTTrainer(model=copy.deepcopy(model), args=config(len(data), max_length=None,
                                                                     assistant_only_loss=assistant_only_loss),
@@ -92,8 +93,9 @@ def test_a_processor_whose_image_token_is_not_the_models_is_refused():
     processor = tiny_processor(FAMILY)
     model = tiny_image_text_model(FAMILY, processor)
     model.config.image_token_id = processor.image_token_id + 1
-    with pytest.raises(PackingValueError, match=rf"The processor's `image_token_id` is {processor.image_token_id} but "
-                                                rf"the model's config says {processor.image_token_id + 1}"):
+    expected = (rf"The processor's image placeholder token id is \[{processor.image_token_id}\] but the model's "
+                rf"config says `image_token_id`={processor.image_token_id + 1}")
+    with pytest.raises(PackingValueError, match=expected):
         PackedSFTTrainer(model=model, args=config(2, max_length=192), train_dataset=conversations(),
                          processing_class=processor)
 

@@ -214,6 +214,13 @@ MODEL_CONFIGS = {
         "token_ids": {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                       "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"},
     },
+    # 56 px images, 14 px patches (4 x 4), pooled to 2 x 2 = 4 soft tokens per image; image tokens attend both ways.
+    "gemma3": {"vision_config": {"image_size": 56, "patch_size": 14}, "mm_tokens_per_image": 4,
+               "token_ids": {"image_token_id": "<image_soft_token>", "boi_token_id": "<start_of_image>",
+                             "eoi_token_id": "<end_of_image>"}},
+    # CLIP tower at 56 px / 14 px patches: 16 tokens per image (CLS dropped).
+    "llava": {"vision_config": {"image_size": 56, "patch_size": 14}, "image_seq_length": 16,
+              "token_ids": {"image_token_id": "<image>"}},
 }
 
 
@@ -235,5 +242,10 @@ def tiny_image_text_model(family: str, processor, attn_implementation: str = "sd
         if part is not None:
             part.use_cache = False
     torch.manual_seed(seed)
-    return transformers.AutoModelForImageTextToText.from_config(
+    model = transformers.AutoModelForImageTextToText.from_config(
         config, attn_implementation=attn_implementation, dtype=torch.float32)
+    with torch.no_grad():  # matrices initialised at 0 (Gemma 3's projection) would hide the images from the text
+        for parameter in model.parameters():
+            if parameter.dim() >= 2 and not parameter.any():
+                parameter.normal_(std=0.02)
+    return model

@@ -9,10 +9,10 @@ is checked against the plan `pack_dataset` packed it by, then the documents are 
 pixel tensors and grids of the images in packed order.
 
 Labels are the `input_ids` with -100 on each document's first token (no document learns to predict the next one's
-start), on padding, on the image placeholder tokens (`processor.image_token_id`, `video_token_id`: a prediction of
-them trains nothing), and, with `assistant_only_loss`, outside the assistant turns (the chat template's
-`{% generation %}` blocks). TRL's vision collator trains on the placeholders too; that and the first tokens, which no
-loss reads, are the only differences from its labels.
+start), on padding, on the image placeholder tokens (`placeholder_ids`: a prediction of them trains nothing), and,
+with `assistant_only_loss`, outside the assistant turns (the chat template's `{% generation %}` blocks). TRL's
+vision collator trains on the placeholders too; that and the first tokens, which no loss reads, are the only
+differences from its labels.
 """
 
 from collections.abc import Mapping
@@ -29,13 +29,23 @@ from ..errors import PackingTypeError, PackingValueError
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids",
                  "cross_attention_mask")
 _PLAN_COLUMNS = ("seq_lengths", "seq_starts", "conversation_lengths")
-_MEDIA_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
+_MEDIA = ("image", "video", "audio")
+
+
+def placeholder_ids(processor, kind: str = "image") -> set[int]:
+    """
+    The ids of the placeholder tokens of `kind` (`"image"`, `"video"`, `"audio"`): the processor's `{kind}_token_id`
+    (the token its text path expands) and its tokenizer's (the token an expansion repeats, where they differ: Gemma 3's
+    processor names `<start_of_image>`, its tokenizer `<image_soft_token>`, the token the model fills).
+    """
+    sources = (processor, getattr(processor, "tokenizer", None))
+    ids = {getattr(source, f"{kind}_token_id", None) for source in sources if source is not None}
+    return {int(token) for token in ids if isinstance(token, int)}
 
 
 def media_token_ids(processor) -> list[int]:
-    """The ids of the placeholder tokens the processor expands for images, videos and audio."""
-    ids = {getattr(processor, field, None) for field in _MEDIA_TOKEN_FIELDS}
-    return sorted(int(token) for token in ids if isinstance(token, int))
+    """The ids of every image, video and audio placeholder token of the processor (see [`placeholder_ids`])."""
+    return sorted(set().union(*(placeholder_ids(processor, kind) for kind in _MEDIA)))
 
 
 def collate_conversations(features: list[dict], processor, *, chat_template=None, assistant_only_loss=False,

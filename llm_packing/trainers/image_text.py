@@ -15,7 +15,7 @@ import dataclasses
 from datasets import Dataset
 
 from ..batches.collator import DataCollatorWithPacking
-from ..batches.packed_conversations import media_token_ids
+from ..batches.packed_conversations import media_token_ids, placeholder_ids
 from ..data.pack import pack_dataset
 from ..data.pack_image_text import is_image_text
 from ..errors import PackingTypeError, PackingValueError
@@ -23,7 +23,6 @@ from ..errors import PackingTypeError, PackingValueError
 
 # The columns a packed image-text row carries, which TRL's column pruning must keep.
 PACKED_COLUMNS = ["messages", "images", "seq_lengths", "seq_starts", "conversation_lengths"]
-_TOKEN_FIELDS = ("image_token_id", "video_token_id")
 
 
 @dataclasses.dataclass
@@ -82,15 +81,16 @@ def check_processor_matches_model(processor, model) -> None:
     """Refuse a processor whose image / video token ids are not the model's, or whose tokenizer is larger than the
     model's embedding."""
     config = getattr(model, "config", None)
-    for field in _TOKEN_FIELDS:
-        given = getattr(processor, field, None)
-        expected = _config_value(config, field)
-        if isinstance(given, int) and isinstance(expected, int) and given != expected:
+    for kind in ("image", "video"):
+        given = placeholder_ids(processor, kind)
+        expected = _config_value(config, f"{kind}_token_id")
+        if given and isinstance(expected, int) and expected not in given:
             raise PackingValueError(
-                f"The processor's `{field}` is {given} but the model's config says {expected}: the model would look "
-                "for its image features at other tokens than the processor expands (and refuse the batch, or train "
-                "on the wrong tokens). Use the processor saved with the model (`AutoProcessor.from_pretrained` of the "
-                "same checkpoint), or set the config's token id to the processor's."
+                f"The processor's {kind} placeholder token id is {sorted(given)} but the model's config says "
+                f"`{kind}_token_id`={expected}: the model would look for its {kind} features at other tokens than the "
+                "processor expands (and refuse the batch, or train on the wrong tokens). Use the processor saved with "
+                "the model (`AutoProcessor.from_pretrained` of the same checkpoint), or set the config's token id to "
+                "the processor's."
             )
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embedding, "num_embeddings", None)
