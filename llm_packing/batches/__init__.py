@@ -1,4 +1,5 @@
-"""Batch builders: `collator` (`DataCollatorWithPacking`, packed rows to the batch the hook expects) and
+"""Batch builders: `collator` (`DataCollatorWithPacking`, packed rows to the batch the hook expects),
+`packed_conversations` (image-text rows through the processor, one document at a time, for the collator) and
 `padded_forward` (the real tokens of a trainer's padded batch run packed, outputs scattered back).
 
 May import: `llm_packing.core`, `llm_packing.hook`, `llm_packing.errors`.
