@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from . import _moved
 
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.2.0"
 
 # Public name -> module holding it. Imported on first use (PEP 562): `import llm_packing` stays light, so the command
 # line can speak before torch loads, and `PackedSFTTrainer` needs TRL only when used.
