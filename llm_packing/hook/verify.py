@@ -3,8 +3,9 @@
 `verify_packing` runs a tiny packed batch (two rows, three documents, trailing padding) and each document alone through
 the model, and compares the logits of every real token. The limit is calibrated on the model's own floating-point
 noise in its dtype, measured by one more forward that needs no isolation at all (see `verify_packing`). Cost: five
-forwards of at most 3 x 16 tokens. `measure_packing` is the same comparison on any layout of packed rows, and can
-compare the gradients of a per-document loss too (`llm-packing verify` runs it).
+forwards of at most 3 x 16 tokens. Given the processor of an image-text model, it also packs a document with two images
+between two text documents (`hook.verify_images`). `measure_packing` is the same comparison on any layout of packed
+rows, and can compare the gradients of a per-document loss too (`llm-packing verify` runs it).
 """
 
 import logging
@@ -15,6 +16,8 @@ import torch
 
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+from .image_text import causal_through_token_types
+from .verify_images import image_row_difference
 
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class PackingMeasurement:
         return self.logits.exact and (self.gradients is None or self.gradients.exact)
 
 
-def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
+def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor=None) -> float:
     """
     Check that a packed batch gives the same logits as its documents run one by one.
 
@@ -89,6 +92,10 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
             Largest accepted absolute logit difference, used as given instead of the calibrated limit.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the random token ids.
+        processor ([`~transformers.ProcessorMixin`], *optional*):
+            The image-text model's own processor. If given, a packed row also holds a document with two images of
+            different shapes between two text documents (placeholders, pixels and grids as the processor makes
+            them), checked against the same limit; without it only text documents are checked.
 
     Returns:
         `float`: the largest absolute logit difference found.
@@ -96,17 +103,36 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
     Raises:
         `ContaminationError`: the difference exceeds the limit, i.e. documents attend across their boundaries.
 
-    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16).
+    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16);
+    with a `processor`, four more: the row with images, the image document and the two text documents alone.
     """
     logits = measure_packing(model, atol=atol, seed=seed).logits
-    if not logits.exact:
+    difference = logits.difference
+    if processor is not None:
+        difference = max(difference, _image_row_difference(model, processor, seed))
+    if not difference <= logits.limit:
         raise ContaminationError(
-            f"Packed documents differ from the same documents run alone by {logits.difference:.3g} "
+            f"Packed documents differ from the same documents run alone by {difference:.3g} "
             f"({logits.explained}) for model_type {model.config.model_type!r} on attention backend "
             f"{getattr(model.config, '_attn_implementation', None)!r}: documents attend across boundaries. Call "
             "`configure_packing(model)` before training on packed batches, or train unpacked."
         )
-    return logits.difference
+    return difference
+
+
+def _image_row_difference(model, processor, seed: int) -> float:
+    """`hook.verify_images`' check, with two of `verify_packing`'s text documents around the image document."""
+    device = next(model.parameters()).device
+    texts = _random_documents(model.config, LENGTHS[:2], seed, device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [_model_logits(model, **_inputs(model, text[None])) for text in texts]
+            return image_row_difference(model, processor, texts, [logits[0] for logits in alone], seed,
+                                        _model_logits)
+    finally:
+        model.train(was_training)
 
 
 def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = COLUMNS, *, gradients: bool = False,
@@ -261,30 +287,53 @@ def _compare(name: str, packed, followed, alone, atol, base, *, dtype) -> Compar
 def _random_documents(config, lengths, seed, device) -> list[torch.Tensor]:
     vocab_size = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids, where special tokens (pad, bos, eos, image placeholders) usually live.
-    low, high = min(10, vocab_size - 1), vocab_size
-    return [torch.randint(low, high, (n,), generator=generator).to(device) for n in lengths]
+    # Skip the lowest ids, where special tokens (pad, bos, eos) usually live, and every token id the config names
+    # (an image placeholder in a text document would be an image without pixels).
+    low = min(10, vocab_size - 1)
+    allowed = torch.arange(low, vocab_size)
+    allowed = allowed[~torch.isin(allowed, torch.tensor(sorted(_named_token_ids(config)), dtype=torch.long))]
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=generator)].to(device) for n in lengths]
+
+
+def _named_token_ids(config) -> set[int]:
+    """The token ids a config (and its text config) names: `*_token_id`, `*_token_index`."""
+    named = set()
+    for part in (config, getattr(config, "text_config", None)):
+        for name, value in (vars(part) if part is not None else {}).items():
+            if name.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+                named.add(value)
+    return named
+
+
+def _inputs(model, input_ids, attention_mask=None, position_ids=None) -> dict:
+    """A text batch's inputs; PaliGemma's text is causal only through `token_type_ids`: text documents are suffix
+    (1)."""
+    token_types = {"token_type_ids": torch.ones_like(input_ids)} if causal_through_token_types(model.config) else {}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **token_types}
 
 
 def _forward(model, input_ids, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, bool]:
     """The model's float logits (and True), or a base model's (a reward model's backbone) last hidden states."""
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    output = model(**_inputs(model, input_ids, attention_mask, position_ids), use_cache=False)
     logits = getattr(output, "logits", None)
     return (output.last_hidden_state if logits is None else logits).float(), logits is not None
 
 
-def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """The model's logits, or a base model's (a reward model's backbone) last hidden states."""
-    return _forward(model, input_ids, attention_mask, position_ids)[0]
+def _model_logits(model, **inputs) -> torch.Tensor:
+    """The model's float logits on `inputs`, or a base model's last hidden states."""
+    output = model(**inputs, use_cache=False)
+    logits = getattr(output, "logits", None)
+    return (output.last_hidden_state if logits is None else logits).float()
 
 
 def configure_and_verify(
-    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = ""
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = "", processor=None
 ) -> float | None:
     """
     What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
     then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
-    states), logging the outcome (`where` prefixes the line, e.g. `"[rank 0/2] "`).
+    states; with an image-text model's `processor`, a row with images too), logging the outcome (`where` prefixes the
+    line, e.g. `"[rank 0/2] "`).
 
     Returns the difference `verify_packing` measured, or `None` when `verify` is off.
     """
@@ -296,7 +345,9 @@ def configure_and_verify(
     if not verify:
         logger.info("%sisolation not verified (`verify_packing` off)", where)
         return None
-    difference = verify_packing(models[0] if checked is None else checked)
-    logger.info("%sisolation verified: packed %s equal per-document %s (max abs diff %.2g)", where, compared, compared,
-                difference)
+    model = models[0] if checked is None else checked
+    difference = verify_packing(model, processor=processor)
+    images = " (documents with images included)" if processor is not None else ""
+    logger.info("%sisolation verified%s: packed %s equal per-document %s (max abs diff %.2g)", where, images, compared,
+                compared, difference)
     return difference

@@ -114,16 +114,16 @@ class PackedSFTTrainer(SFTTrainer):
                 self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
             if _several_documents_per_row(datasets_by_name):
-                self._configure_model(verify_packing)
+                self._configure_model(verify_packing, processor=None if image_text is None else processing_class)
         except BaseException:
             # Trainer created the output folder; a refused setup leaves nothing behind.
             if new_output_dir and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
                 os.rmdir(args.output_dir)
             raise
 
-    def _configure_model(self, verify: bool) -> None:
+    def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        configure_and_verify(self.model, verify=verify, where=where)
+        configure_and_verify(self.model, verify=verify, where=where, processor=processor)
 
 
 def _sft_config(args, model) -> SFTConfig:
