@@ -5,6 +5,7 @@ every backend, and `unconfigure_packing()` undoes it.
 - `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
 - `varlen`: sdpa's per-document route without an `L x L` mask;
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
+- `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
 - `multimodal`: media inputs in packed batches;
 - `verify`: `verify_packing`, the behavioural check;

@@ -84,13 +84,22 @@ def _wrap_builder(original):
                 return packed
         if route == "dense":
             _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, config._attn_implementation)
-        arguments["attention_mask"] = None
-        arguments["position_ids"] = documents_of(attention_mask).derived(
-            "position_ids", lambda: document_position_ids(attention_mask)
-        )
-        return original(*bound.args, **bound.kwargs)
+        return _build_per_document(original, bound, attention_mask)
 
     return build_mask_with_documents
+
+
+def _build_per_document(original, bound, attention_mask: torch.Tensor):
+    """transformers' own builder on per-document positions and no mask: its packed-sequence masking. A dense mask it
+    returns (eager, sdpa; flex gets a BlockMask) is recorded with the forward's documents, for the sparse key
+    indexers that read it (`hook.indexers`)."""
+    documents = documents_of(attention_mask)
+    bound.arguments["attention_mask"] = None
+    bound.arguments["position_ids"] = documents.derived("position_ids", lambda: document_position_ids(attention_mask))
+    mask = original(*bound.args, **bound.kwargs)
+    if isinstance(mask, torch.Tensor):
+        documents.add_prepared_mask(mask)
+    return mask
 
 
 def _refuse_float_document_ids(attention_mask) -> None:

@@ -3,8 +3,9 @@ attention on every backend, and `unconfigure_packing()`, which undoes it.
 
 Configuring checks the architecture and backend (`hook.support`), then replaces, through the one registry
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
-(`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), ALiBi builders
-(`hook.alibi`), and adds the model's guards (`hook.guards`, `hook.multimodal`). Nothing is patched at import time.
+(`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), the sparse key
+indexers (`hook.indexers`), ALiBi builders (`hook.alibi`), and adds the model's guards (`hook.guards`,
+`hook.multimodal`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -18,7 +19,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import alibi, builders, guards, mixers, multimodal, registry, varlen
+from . import alibi, builders, guards, indexers, mixers, multimodal, registry, varlen
 from .support.model_types import causal_lm_model_type
 
 
@@ -84,6 +85,7 @@ def configure_packing(
         require_supported(config)
         if isinstance(model_or_config, torch.nn.Module):
             mixers.check_mixers_covered(model_or_config)
+            indexers.check_indexers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             builders.mask_route(backend, config)
@@ -100,6 +102,7 @@ def configure_packing(
         guards.refuse_batches_without_documents(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
+    indexers.patch_indexers(config.model_type)
     alibi.patch_alibi(config.model_type)
     return model_or_config
 
