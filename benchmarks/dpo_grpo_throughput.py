@@ -6,8 +6,8 @@
 
 Both paths run TRL's own fused LM head (`trl.trainer.utils.add_fused_lm_head`, what `DPOTrainer` and `GRPOTrainer`
 install): "padded" calls it on TRL's padded batch, "packed" through
-`llm_packing.batches.padded_forward.pack_fused_lm_head`
-with `configure_packing` (the real tokens of each batch in one row, as `PackedDPOTrainer` and `PackedGRPOTrainer` do).
+`llm_packing.batches.padded_forward.pack_fused_lm_head` with `configure_packing` (the real tokens of each batch in one
+row, as `PackedDPOTrainer` and `PackedGRPOTrainer` do).
 - DPO step: `--pairs` preference pairs of `load_chitchat_preference_pairs` (demo tokenizer, chat template), collated
   by TRL's `DataCollatorForPreference` (chosen rows then rejected rows, right padding): policy forward + backward and
   reference forward (no grad), the sigmoid loss on the summed completion log-probs, as `DPOTrainer` computes them.

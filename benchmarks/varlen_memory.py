@@ -6,8 +6,8 @@
 Each point is one fresh process: a 1-layer tiny Llama (hidden 64, 4/2 heads, vocab 128, fp32, one thread) runs
 forward + backward on one packed row of `length` tokens, documents of lognormal lengths (median 128 tokens, sigma 1:
 about 165 documents in a 32k row) filling the row (the 32k row of 256 equal documents is tests/test_varlen.py's).
-Reported: the rise of peak RSS (ru_maxrss) over the
-process's RSS before the step, and the wall time of the second step (the first warms up). The dense route needs
+Reported: the rise of peak RSS (ru_maxrss) over the process's RSS before the step, and the wall time of the second step
+(the first warms up). The dense route needs
 about `length^2 x 5` bytes (bool mask + float scores), so it runs only up to `--dense-max` tokens.
 """
 

@@ -83,7 +83,22 @@ def check_transformers_internals() -> None:
         raise _incompatible(
             f"transformers {TRANSFORMERS_VERSION} is older than the minimum {MIN_TRANSFORMERS_VERSION}"
         )
-    from transformers import masking_utils, modeling_flash_attention_utils
+    _check_mask_builders()
+    _check_flash_unpad()
+    if TRANSFORMERS_VERSION > Version(MAX_TESTED_TRANSFORMERS_VERSION) and not _warned_untested:
+        _warned_untested = True
+        warnings.warn(
+            f"llm_packing is tested with transformers {MIN_TRANSFORMERS_VERSION} to "
+            f"{MAX_TESTED_TRANSFORMERS_VERSION}; "
+            f"you have {TRANSFORMERS_VERSION}. Its internals check passed; run `verify_packing(model)` to confirm "
+            "documents stay isolated.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _check_mask_builders() -> None:
+    from transformers import masking_utils
 
     for name in MASK_BUILDER_NAMES:
         builder = getattr(masking_utils, name, None)
@@ -97,23 +112,18 @@ def check_transformers_internals() -> None:
     for name in ("ALL_MASK_ATTENTION_FUNCTIONS", "flash_attention_mask", "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING"):
         if not hasattr(masking_utils, name):
             raise _incompatible(f"`transformers.masking_utils.{name}` is missing")
-    # FlashAttention unpads through a module-global lookup of `_get_unpad_data` inside `_upad_input`; if that lookup
-    # moves, patching the attribute would be inert (the trap that broke axolotl and LLaMA-Factory).
+
+
+def _check_flash_unpad() -> None:
+    """FlashAttention unpads through a module-global lookup of `_get_unpad_data` inside `_upad_input`; if that lookup
+    moves, patching the attribute would be inert (the trap that broke axolotl and LLaMA-Factory)."""
+    from transformers import modeling_flash_attention_utils
+
     upad_input = getattr(modeling_flash_attention_utils, "_upad_input", None)
     if not hasattr(modeling_flash_attention_utils, "_get_unpad_data") or upad_input is None:
         raise _incompatible("`transformers.modeling_flash_attention_utils._get_unpad_data`/`_upad_input` is missing")
     if "_get_unpad_data" not in upad_input.__code__.co_names:
         raise _incompatible("`_upad_input` no longer looks up `_get_unpad_data` as a module global")
-    if TRANSFORMERS_VERSION > Version(MAX_TESTED_TRANSFORMERS_VERSION) and not _warned_untested:
-        _warned_untested = True
-        warnings.warn(
-            f"llm_packing is tested with transformers {MIN_TRANSFORMERS_VERSION} to "
-            f"{MAX_TESTED_TRANSFORMERS_VERSION}; "
-            f"you have {TRANSFORMERS_VERSION}. Its internals check passed; run `verify_packing(model)` to confirm "
-            "documents stay isolated.",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _incompatible(what: str) -> IncompatibleTransformersError:

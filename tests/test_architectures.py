@@ -65,8 +65,12 @@ def test_hybrid_whose_mixers_are_not_in_the_table_is_refused(model_type, monkeyp
         require_supported(SimpleNamespace(model_type=model_type))
 
 
-def test_require_supported_accepts_a_supported_type():
-    require_supported(SimpleNamespace(model_type="llama", layer_types=None))
+def test_require_supported_accepts_every_supported_type_and_reads_its_layer_types():
+    for model_type in supported_model_types():
+        assert require_supported(SimpleNamespace(model_type=model_type, layer_types=None)) is None, model_type
+    # The same config with a layer kind that carries state across the row is refused: the check reads the config.
+    with pytest.raises(UnsupportedSetupError, match=r"'llama'.*non-attention layers \['linear_attention'\]"):
+        require_supported(SimpleNamespace(model_type="llama", layer_types=["full_attention", "linear_attention"]))
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "no_such_model"])
@@ -128,19 +132,23 @@ def test_committed_support_matrix_is_what_the_generator_prints():
     )
 
 
-def test_readme_counts_are_the_tables():
-    """The README's supported and refused counts are `supported_model_types()` and the refused table, so a type added
-    to or dropped from the matrix cannot leave the README's headline behind."""
+def test_documented_counts_are_the_tables():
+    """The supported and refused counts of the README and docs/guarantees.md are `supported_model_types()` and the
+    refused table, so a type added to or dropped from the matrix cannot leave the documents behind."""
     import re
 
     from llm_packing.hook.support.architectures import _refused_model_types
 
-    with open(os.path.join(os.path.dirname(DOC), os.pardir, "README.md"), encoding="utf-8") as handle:
-        readme = " ".join(handle.read().split())
-    supported = re.search(r"(\d+) model types are supported", readme)
-    refused = re.search(r"The other (\d+) causal LMs are refused", readme)
-    hybrids = re.search(r"Hybrid and recurrent models are among the (\d+): (\d+) types", readme)
-    assert supported and refused and hybrids, "the README's support paragraphs changed wording: update this test"
-    assert int(supported.group(1)) == int(hybrids.group(1)) == len(supported_model_types())
+    def words(path):
+        with open(os.path.join(os.path.dirname(DOC), os.pardir, path), encoding="utf-8") as handle:
+            return " ".join(handle.read().split())
+
+    headline = re.search(r"(\d+) causal LM types of transformers", words("README.md"))
+    guarantees = words("docs/guarantees.md")
+    supported = re.search(r"(\d+) model types are supported", guarantees)
+    refused = re.search(r"The other (\d+) causal LMs are refused", guarantees)
+    hybrids = re.search(r"Hybrid and recurrent models are among the (\d+): (\d+) types", guarantees)
+    assert headline and supported and refused and hybrids, "the support paragraphs changed wording: update this test"
+    assert int(headline.group(1)) == int(supported.group(1)) == int(hybrids.group(1)) == len(supported_model_types())
     assert int(refused.group(1)) == len(_refused_model_types())
     assert int(hybrids.group(2)) == len(MIXERS)

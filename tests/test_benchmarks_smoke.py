@@ -49,7 +49,7 @@ def test_pack_dataset_speed_tiny(tmp_path):
 
 def test_pack_locality_tiny():
     script = os.path.join(os.path.dirname(BENCHMARK), "pack_locality.py")
-    result = subprocess.run([sys.executable, script, "--rows", "300000", "--max-length", "1024"], check=True,
+    result = subprocess.run([sys.executable, script, "--rows", "50000", "--max-length", "1024"], check=True,
                             capture_output=True, text=True)
     engine, local = (line for line in result.stdout.splitlines() if line.startswith("| ") and "GiB (" in line)
     ratio = lambda row: float(row.split("GiB (")[1].split("x")[0])  # noqa: E731

@@ -309,10 +309,32 @@ class TestCache:
             writer.finish(None)
         assert list(tmp_path.iterdir()) == []
 
-    def test_epochs_each_get_a_cache_file(self, tmp_path):
+    def test_epochs_each_get_a_cache_file(self, tmp_path, monkeypatch):
+        """Each epoch's rows are written once, to a file of its own: the same epoch asked again loads that file with
+        the same rows (nothing is packed again), and another epoch pairs the same documents anew."""
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
-        files = {epochs.repack(epoch).cache_files[0]["filename"] for epoch in (0, 1, 0)}
-        assert len(files) == 2
+        first, second = epochs.repack(0), epochs.repack(1)
+        monkeypatch.setattr(dataset_module, "pack_sequences", _never_called)
+        again = epochs.repack(0)
+        files = [dataset.cache_files[0]["filename"] for dataset in (first, second, again)]
+        assert files[0] == files[2] != files[1]
+        assert again["input_ids"] == first["input_ids"] and again["seq_lengths"] == first["seq_lengths"]
+        assert first["input_ids"] != second["input_ids"]
+        assert sorted(map(len, first["input_ids"])) == sorted(map(len, second["input_ids"]))
+        assert _documents(first) == _documents(second)
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("packed again instead of loading the epoch's cache file")
+
+
+def _documents(packed) -> list[tuple[int, ...]]:
+    """Every document of the packed rows, as a sorted list of token tuples."""
+    found = []
+    for ids, lengths in zip(packed["input_ids"], packed["seq_lengths"], strict=True):
+        bounds = np.cumsum([0, *lengths])
+        found += [tuple(ids[a:b]) for a, b in itertools.pairwise(bounds)]
+    return sorted(found)
 
 
 

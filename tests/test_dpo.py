@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from tiny_models import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
@@ -93,9 +94,12 @@ def record_log_probs(trainer, calls):
         model.forward = recorded
 
 
-def train(tmp_path, packed: bool, loss_type="sigmoid", peft=False, dataset=None, **config):
+def train(tmp_path, packed: bool, loss_type="sigmoid", peft=False, dataset=None, model_type=None, **config):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+    if model_type is None:
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+    else:  # the parity matrix's tiny model of that type (vocabulary 128, as TINY); gemma2 offers no sdpa
+        model = tiny_model(model_type, "eager" if model_type == "gemma2" else "sdpa")
     settings = {
         "per_device_train_batch_size": BATCH, "max_steps": STEPS, "learning_rate": 0.5, "optim": "sgd",
         "lr_scheduler_type": "constant", "logging_steps": 1, "report_to": "none", "save_strategy": "no",
@@ -144,6 +148,25 @@ def test_every_step_equals_trl_with_a_reference_model(tmp_path):
     initial = AutoModelForCausalLM.from_config(LlamaConfig(**TINY))
     moved = max((a - b).abs().max() for a, b in zip(padded.model.parameters(), initial.parameters(), strict=True))
     assert moved > 1e-2  # plain SGD moved the weights: later steps check a policy that differs from the reference
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2"])
+def test_gradient_accumulation_with_adamw_equals_trl(tmp_path, model_type):
+    """Two micro-batches per optimizer step and AdamW, on qwen3 and on gemma2 (attention logit softcapping, a 4-token
+    sliding window shorter than most sequences): every micro-batch's loss and log-probs, and the weights after every
+    step, equal TRL's unpacked run. AdamW moves each weight by about the learning rate whatever the gradient's size,
+    so the weights are compared after 3 steps with a small rate, and the losses check the gradients' effect."""
+    settings = {"model_type": model_type, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2,
+                "optim": "adamw_torch", "learning_rate": 1e-2}
+    packed, padded = train(tmp_path, True, **settings), train(tmp_path, False, **settings)
+    assert all(packed.packs) and not any(padded.packs)
+    assert len(packed.losses) == len(padded.losses) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(packed.losses), torch.tensor(padded.losses), atol=1e-5, rtol=SUM_RTOL)
+    for mine, theirs in zip(packed.log_probs, padded.log_probs, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    for (name, mine), theirs in zip(packed.model.named_parameters(), padded.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0, msg=name)
+    assert padded.losses[0] != padded.losses[-1]  # the steps moved the policy
 
 
 @pytest.mark.parametrize("loss_type", [name for name in LOSS_TYPES if name != "sigmoid"])

@@ -313,12 +313,12 @@ def test_layout_follows_the_mask_of_each_forward_and_thread():
 
 
 def test_document_batches_group_by_length_and_zero_the_padding():
-    layout = DocumentBatches.from_mask(torch.tensor([[1] * 9 + [2] * 2 + [0], [1, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0]]))
+    batches = DocumentBatches.from_mask(torch.tensor([[1] * 9 + [2] * 2 + [0], [1, 2, 2, 2, 3, 3, 3, 3, 3, 0, 0, 0]]))
     # Documents of up to 32 tokens share one call (the rule varlen attention groups by: `documents.bucket_bounds`).
-    assert [tuple(group.shape) for group in layout.gather] == [(5, 9)]
+    assert [tuple(group.shape) for group in batches.gather] == [(5, 9)]
     states = torch.arange(24.0).view(2, 12, 1)
-    assert torch.equal(layout.run(lambda x: x, states)[..., 0], torch.where(torch.tensor(
+    assert torch.equal(batches.run(lambda x: x, states)[..., 0], torch.where(torch.tensor(
         [[1] * 11 + [0], [1] * 9 + [0] * 3]).bool(), states[..., 0], 0))
     # A causal running sum restarts at every document.
-    sums = layout.run(lambda x: x.cumsum(1), torch.ones(2, 12, 1))[..., 0]
+    sums = batches.run(lambda x: x.cumsum(1), torch.ones(2, 12, 1))[..., 0]
     assert sums.tolist() == [[*range(1, 10), 1, 2, 0], [1, 1, 2, 3, 1, 2, 3, 4, 5, 0, 0, 0]]

@@ -11,8 +11,8 @@ supported type runs issue 25's row and 3 drawn layouts in every CI pass, 17 more
 and route (see `test_random_layouts_equal_separate_documents`).
 
 sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/varlen.py; the test asserts that it is
-taken
-and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one route.
+taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one
+route.
 
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """

@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from llm_packing.batches.collator import DataCollatorWithPacking
@@ -128,3 +128,90 @@ def test_stock_sft_trainer_on_a_configured_model_stops_before_the_first_step(tmp
         unconfigure_packing()
     assert trainer.state.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+
+
+def _accumulated_step(tmp_path, packed: bool, hooked: bool = True) -> torch.Tensor:
+    """The weights after one SGD step over all documents, in micro-batches: unpacked, 5 x 2 padded documents;
+    packed, one packed row per micro-batch."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+    if packed:
+        dataset = pack_dataset(documents(), MAX_LENGTH)
+        collator = DataCollatorWithPacking(pad_token_id=0, check_model_configured=hooked)
+        if hooked:
+            configure_packing(model)
+        batch, accumulation = 1, len(dataset)
+        config = {"packing": False, "padding_free": False, "remove_unused_columns": False}
+    else:
+        dataset, collator, batch, accumulation = documents(), None, 2, len(LENGTHS) // 2
+        config = {"packing": False, "max_length": None}
+    args = SFTConfig(
+        output_dir=str(tmp_path / f"packed-{packed}-{hooked}"), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=LEARNING_RATE,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        dataset_kwargs={"skip_prepare_dataset": True}, **config,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer(),
+                         data_collator=collator)
+    try:
+        trainer.train()
+    finally:
+        unconfigure_packing()
+    return _weights(model)
+
+
+def test_gradient_accumulation_packed_equals_unpacked(tmp_path):
+    """One optimizer step accumulated over micro-batches: Trainer normalises the summed loss by the trained tokens of
+    the whole step (`num_items_in_batch`), so packed rows and padded documents give the same weights. Without the
+    hook the same packed rows give other weights (the negative control)."""
+    unpacked = _accumulated_step(tmp_path, packed=False)
+    packed = _accumulated_step(tmp_path, packed=True)
+    torch.manual_seed(0)
+    initial = _weights(AutoModelForCausalLM.from_config(LlamaConfig(**TINY)))
+    assert (unpacked - initial).abs().max() > 1e-2  # the step moved the weights
+    assert (packed - unpacked).abs().max() <= 1e-6
+    assert (_accumulated_step(tmp_path, packed=True, hooked=False) - unpacked).abs().max() > 1e-4
+
+
+def test_resuming_from_a_checkpoint_across_an_epoch_boundary_gives_the_uninterrupted_weights(tmp_path):
+    """PackedSFTTrainer, 6 steps over epochs of 3 packed rows (one row a step): stopped after 4 (in epoch 2) and
+    resumed from its checkpoint, the weights end equal to a run of 6 steps without a stop."""
+    from llm_packing import PackedSFTTrainer
+
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    assert len(packed) == 3
+
+    def trainer(output_dir, callbacks=()):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+        args = SFTConfig(output_dir=str(output_dir), per_device_train_batch_size=1, max_steps=6,
+                         optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=4,
+                         report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0)
+        return PackedSFTTrainer(model=model, args=args, train_dataset=packed, processing_class=tokenizer(),
+                                callbacks=list(callbacks))
+
+    try:
+        whole = trainer(tmp_path / "whole")
+        whole.train()
+        interrupted = trainer(tmp_path / "interrupted", [_StopAfter(4)])  # as if killed after its checkpoint
+        interrupted.train()
+        resumed = trainer(tmp_path / "interrupted")
+        resumed.train(resume_from_checkpoint=str(tmp_path / "interrupted" / "checkpoint-4"))
+    finally:
+        unconfigure_packing()
+    assert resumed.state.global_step == whole.state.global_step == 6
+    assert resumed.state.epoch == whole.state.epoch == 2
+    assert (_weights(resumed.model) - _weights(whole.model)).abs().max() <= 1e-6
+    assert (_weights(interrupted.model) - _weights(whole.model)).abs().max() > 1e-4  # 4 steps are not 6
+
+
+class _StopAfter(TrainerCallback):
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps

@@ -100,8 +100,9 @@ def unpacked_first_loss(tmp_path, tokenizer, attn_implementation="sdpa") -> floa
 @pytest.mark.slow
 @pytest.mark.parametrize("configured", [False, True], ids=["unhooked", "configure_packing"])
 def test_stock_sft_trainer_cuts_rows_and_mixes_documents(tmp_path, tokenizer, configured):
-    # Rows of 2,048 tokens; SFTConfig's default max_length is 1,024. Nothing in this path reaches llm_packing in a form
-    # it can tell apart from an ordinary unpacked batch, so it is not refused: the README says so.
+    # Rows of 2,048 tokens; SFTConfig's default max_length is 1,024. What TRL hands the model: every row cut, one
+    # attention span per row, no position_ids. A configured model refuses that batch at its first training forward
+    # (tests/test_sft_trainer.py); an unconfigured one cannot tell it from an unpacked batch.
     packed = pack_dataset(documents([1500, 548, 1000, 1048], seed=1), 2048)
     model = tiny_model()
     if configured:
@@ -266,7 +267,7 @@ def test_refusal_after_trainer_init_leaves_no_output_folder(tmp_path, tokenizer,
     def contaminated(model):
         raise ContaminationError("documents attend across boundaries")
 
-    monkeypatch.setattr("llm_packing.trainers.sft.verify_packing", contaminated)
+    monkeypatch.setattr("llm_packing.hook.verify.verify_packing", contaminated)
     output_dir = tmp_path / "out"
     with pytest.raises(ContaminationError):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **QUIET),

@@ -18,7 +18,15 @@ from transformers.data.data_collator import DataCollatorMixin
 
 from ..core.binpack import pack_sequences
 from ..core.checks import check_integer
-from ..core.rows import IGNORE_INDEX, check_tokens, flat_integers, ignore_document_starts, length_error, position_ids
+from ..core.rows import (
+    IGNORE_INDEX,
+    check_tokens,
+    flat_integers,
+    ignore_document_starts,
+    length_error,
+    position_ids,
+    segment_aranges,
+)
 from ..errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
 
 
@@ -120,12 +128,10 @@ class DataCollatorWithPacking(DataCollatorMixin):
             "position_ids": _padded(tokens, positions, 0),
         }
         if uses_mask:
-            first_doc = np.cumsum(docs_per_row) - docs_per_row
-            document_index = np.arange(len(doc_lengths)) - np.repeat(first_doc, docs_per_row) + 1
+            document_index = segment_aranges(np.ones(1, np.int64), docs_per_row)  # 1, 2, ... in each row
             batch["attention_mask"] = _padded(tokens, np.repeat(document_index, doc_lengths), 0)
         if self.return_flash_attn_kwargs:
-            # Each row's trailing padding is one segment, so padding adds one entry to `cu_seq_lens`, not one per
-            # token.
+            # Each row's trailing padding is one segment: padding adds one entry to `cu_seq_lens`, not one per token.
             row_ends = np.cumsum(docs_per_row)
             segments = np.insert(doc_lengths, row_ends, width - row_lengths)
             segments = segments[segments > 0]

@@ -12,7 +12,6 @@ next document's first one.
 """
 
 import functools
-import logging
 import types
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.binpack import pack_sequences
+from ..core.rows import position_ids, segment_aranges
 from ..errors import (
     ContaminationError,
     PackingTypeError,
@@ -27,11 +27,8 @@ from ..errors import (
     SequenceTooLongError,
     UnsupportedSetupError,
 )
-from ..hook.configure import configure_packing, is_packing_configured
-from ..hook.verify import verify_packing
-
-
-logger = logging.getLogger(__name__)
+from ..hook.configure import is_packing_configured
+from ..hook.verify import configure_and_verify
 
 
 # Per-token fields of TRL's `FusedCausalLMOutput`, each `(batch, length - 1)`, zero where the label is -100.
@@ -39,7 +36,7 @@ _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", 
 
 
 @dataclass(frozen=True)
-class PackedLayout:
+class PaddedToPacked:
     """
     Where each real token of a padded batch sits in the packed batch.
 
@@ -60,7 +57,7 @@ class PackedLayout:
     padded_shape: tuple[int, int]
 
     def pack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
-        """Move a `(batch_size, sequence_length)` tensor of the padded batch into the packed layout."""
+        """Move a `(batch_size, sequence_length)` tensor of the padded batch into the packed packing."""
         flat = values.new_full((self.input_ids.numel(),), fill)
         flat[self.packed_index] = values.reshape(-1)[self.padded_index]
         return flat.view(self.input_ids.shape)
@@ -74,7 +71,7 @@ class PackedLayout:
 
 
 def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                      max_length: int | None = None) -> PackedLayout:
+                      max_length: int | None = None) -> PaddedToPacked:
     """
     Pack the real tokens of each row of a padded batch as one document, rows kept whole.
 
@@ -88,7 +85,7 @@ def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
             decreasing ([`~llm_packing.pack_sequences`]) when the batch does not fit one row.
 
     Returns:
-        [`PackedLayout`]
+        [`PaddedToPacked`]
 
     Raises:
         `SequenceTooLongError`: a row holds more than `max_length` real tokens.
@@ -98,14 +95,14 @@ def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     ```python
     >>> import torch
     >>> input_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 0]])
-    >>> layout = pack_padded_batch(input_ids, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]]))
-    >>> layout.input_ids
+    >>> packing = pack_padded_batch(input_ids, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]]))
+    >>> packing.input_ids
     tensor([[5, 6, 7, 8, 9]])
-    >>> layout.attention_mask
+    >>> packing.attention_mask
     tensor([[1, 1, 2, 2, 2]])
-    >>> layout.position_ids
+    >>> packing.position_ids
     tensor([[0, 1, 0, 1, 2]])
-    >>> layout.unpack(layout.position_ids)
+    >>> packing.unpack(packing.position_ids)
     tensor([[0, 0, 0, 1],
             [0, 1, 2, 0]])
 
@@ -130,9 +127,8 @@ def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     padded_index, packed_index, document_ids, positions = [], [], [], []
     for row, members in enumerate(bins):
         member_lengths = lengths[members]
-        offsets = np.repeat(np.cumsum(member_lengths) - member_lengths, member_lengths)
-        within = np.arange(int(member_lengths.sum())) - offsets
-        padded_index.append(np.repeat(members * attention_mask.shape[1] + starts[members], member_lengths) + within)
+        within = position_ids(member_lengths)
+        padded_index.append(segment_aranges(members * attention_mask.shape[1] + starts[members], member_lengths))
         packed_index.append(row * width + np.arange(len(within)))
         document_ids.append(np.repeat(np.arange(1, len(members) + 1), member_lengths))
         positions.append(within)
@@ -146,7 +142,7 @@ def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     packed_ids = input_ids.new_zeros(len(bins) * width)
     packed_ids[packed_index] = input_ids.reshape(-1)[padded_index]
     shape = (len(bins), width)
-    return PackedLayout(packed_ids.view(shape), packed_mask.view(shape), packed_positions.view(shape), padded_index,
+    return PaddedToPacked(packed_ids.view(shape), packed_mask.view(shape), packed_positions.view(shape), padded_index,
                         packed_index, tuple(input_ids.shape))
 
 
@@ -186,16 +182,16 @@ def pack_fused_lm_head(model, *, max_length: int | None = None):
         if not fused_lm_head:
             return fused_forward(self, *args, labels=labels, shift_labels=shift_labels, **kwargs)
         input_ids, attention_mask = _check_call(args, kwargs, labels, shift_labels)
-        layout = pack_padded_batch(input_ids, attention_mask, max_length=max_length)
-        shift_labels = layout.pack(next_token_labels(labels, attention_mask), -100)
+        packing = pack_padded_batch(input_ids, attention_mask, max_length=max_length)
+        shift_labels = packing.pack(next_token_labels(labels, attention_mask), -100)
         outputs = fused_forward(
-            self, input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-            position_ids=layout.position_ids, shift_labels=shift_labels, fused_lm_head=True, **kwargs,
+            self, input_ids=packing.input_ids, attention_mask=packing.attention_mask,
+            position_ids=packing.position_ids, shift_labels=shift_labels, fused_lm_head=True, **kwargs,
         )
         for name in _PER_TOKEN_FIELDS:
             value = getattr(outputs, name)
             if value is not None:
-                outputs[name] = layout.unpack(value)[:, :-1]
+                outputs[name] = packing.unpack(value)[:, :-1]
         return outputs
 
     packed_fused_forward._packs_padded_batches = True
@@ -212,15 +208,10 @@ def pack_trainer_models(trainer, *, max_length: int | None, verify: bool) -> Non
     if getattr(trainer, "ref_model", None) is not None:
         models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
     for model in models:
-        configure_packing(model)
         # TRL adds the fused head to the model under PEFT's wrapper.
         pack_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
                            max_length=max_length)
-    if not verify:
-        logger.info("isolation not verified (`verify_packing` off)")
-        return
-    difference = verify_packing(models[0])
-    logger.info("isolation verified: packed logits equal per-document logits (max abs diff %.2g)", difference)
+    configure_and_verify(models, verify=verify)
 
 
 def next_token_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 A recipe is flat YAML (`block_diag_attn: true`, `max_length: 1024`, `learning_rate: 1e-3`, ...): `HfArgumentParser`
 hands each key to the dataclass that has a field of that name. `max_length` (row capacity) and
-`per_device_train_batch_size`
-(rows per batch) come from `SFTConfig`; the keys below say how documents are put into those rows.
+`per_device_train_batch_size` (rows per batch) come from `SFTConfig`; the keys below say how documents are put into
+those rows.
 """
 
 from dataclasses import dataclass, field

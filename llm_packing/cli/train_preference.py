@@ -4,9 +4,8 @@ A recipe with `trainer: dpo` (or `grpo`) takes TRL's `DPOConfig` (`GRPOConfig`) 
 `dataset_name: chitchat` gives the preference pairs of [`~llm_packing.demo.chitchat.load_chitchat_preference_pairs`]
 (the real reply chosen, another conversation's reply rejected), and for GRPO their prompts; any other dataset needs
 TRL's `prompt`/`chosen`/`rejected` (`prompt`) columns. The model trains with
-[`~llm_packing.trainers.dpo.PackedDPOTrainer`] or [`~llm_packing.trainers.grpo.PackedGRPOTrainer`], which configure
-and verify
-the hook. GRPO's reward is [`reply_length_reward`], which runs offline.
+[`~llm_packing.trainers.dpo.PackedDPOTrainer`] or [`~llm_packing.trainers.grpo.PackedGRPOTrainer`], which configure and
+verify the hook. GRPO's reward is [`reply_length_reward`], which runs offline.
 """
 
 import copy

@@ -20,15 +20,16 @@ INT32_MAX = np.iinfo(np.int32).max
 
 def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """
-    `concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop; `lengths` must be > 0.
-    `starts` of size 1 starts every segment there. Written into `out` when given (its dtype must hold the values).
+    `concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop (segments of length 0
+    add nothing). `starts` of size 1 starts every segment there. Written into `out` when given (its dtype must hold
+    the values).
 
     Example:
     ```python
     >>> import numpy as np
     >>> segment_aranges(np.array([5, 0]), np.array([2, 3])).tolist()
     [5, 6, 0, 1, 2]
-    >>> segment_aranges(np.zeros(1, np.int32), np.array([2, 3])).tolist()
+    >>> segment_aranges(np.zeros(1, np.int32), np.array([2, 0, 3])).tolist()
     [0, 1, 0, 1, 2]
 
     ```
@@ -36,9 +37,11 @@ def segment_aranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | N
     steps = np.empty(int(lengths.sum()), dtype=np.int64) if out is None else out
     if len(steps) == 0:
         return steps
+    starts = np.broadcast_to(starts, lengths.shape)
+    if not lengths.all():
+        starts, lengths = starts[lengths > 0], lengths[lengths > 0]
     steps.fill(1)
     ends = np.cumsum(lengths)[:-1]
-    starts = np.broadcast_to(starts, lengths.shape)
     steps[0] = starts[0]
     steps[ends] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
     return np.cumsum(steps, out=steps)

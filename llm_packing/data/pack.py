@@ -73,8 +73,8 @@ def pack_dataset(
     a second call with the same input and options loads that file instead of packing again; an in-memory input keeps
     its packed rows in memory.
     Collate them with [`~llm_packing.batches.collator.DataCollatorWithPacking`] (after `configure_packing(model)`) or
-    TRL's
-    `padding_free=True` collator; TRL's default padding collator ignores `seq_lengths` and lets documents attend to
+    TRL's `padding_free=True` collator; TRL's default padding collator ignores `seq_lengths` and lets documents attend
+    to
     each other.
 
     Args:

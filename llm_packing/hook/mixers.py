@@ -253,13 +253,13 @@ def _wrap_forward(forward, call: MixerCall):
         documents = arguments.get(documents_name) if documents_name else _model_mask.mask
         module = arguments["self"]
         inner, checkpoint = _checkpointing(forward, module)
-        layout = None
+        batches = None
         if is_integer_mask(documents):
             batch_size = arguments[call.hidden].shape[0]
             if documents.shape[0] != batch_size:  # `position_ids` of one row, shared by every row
                 documents = documents.expand(batch_size, -1)
-            layout = _document_batches(documents, from_positions=call.documents == "position_ids")
-        if layout is None:  # not packed: the call as it was, checkpointed where transformers' wrapper would have
+            batches = _document_batches(documents, from_positions=call.documents == "position_ids")
+        if batches is None:  # not packed: the call as it was, checkpointed where transformers' wrapper would have
             return checkpoint(functools.partial(inner, module, **kwargs), *args[1:]) if checkpoint else forward(
                 *args, **kwargs)
         # A cache object, or `use_cache=True` for a mixer that keeps its state on itself.
@@ -287,7 +287,7 @@ def _wrap_forward(forward, call: MixerCall):
             returned[:] = [len(output) if call.returns_state else 1]
             return output[0] if call.returns_state else output
 
-        packed = layout.run(mix, hidden_states, **per_token)
+        packed = batches.run(mix, hidden_states, **per_token)
         return (packed, *[None] * (returned[0] - 1)) if call.returns_state else packed
 
     return forward_per_document
@@ -321,10 +321,10 @@ class DocumentBatches:
     ```python
     >>> import torch
     >>> from llm_packing.hook.mixers import DocumentBatches
-    >>> layout = DocumentBatches.from_mask(torch.tensor([[1, 1, 1, 2, 0], [1, 2, 2, 3, 3]]))
-    >>> [group.tolist() for group in layout.gather]
+    >>> batches = DocumentBatches.from_mask(torch.tensor([[1, 1, 1, 2, 0], [1, 2, 2, 3, 3]]))
+    >>> [group.tolist() for group in batches.gather]
     [[[0, 1, 2], [6, 7, 10], [8, 9, 10], [3, 10, 10], [5, 10, 10]]]
-    >>> layout.run(lambda states: states.cumsum(1), torch.ones(2, 5, 1))[..., 0]
+    >>> batches.run(lambda states: states.cumsum(1), torch.ones(2, 5, 1))[..., 0]
     tensor([[1., 2., 3., 1., 0.],
             [1., 1., 2., 1., 2.]])
 
@@ -339,14 +339,14 @@ class DocumentBatches:
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "DocumentBatches":
-        """The layout of an indexed mask (`batch_size`, `length`): 1-based document ids, 0 on padding."""
+        """The document batches of an indexed mask (`batch_size`, `length`): 1-based document ids, 0 on padding."""
         documents = documents_of(mask)
         return cls.from_spans(documents.starts, documents.lengths, mask.shape, mask.device)
 
     @classmethod
     def from_spans(cls, begins: np.ndarray, lengths: np.ndarray, shape, device: torch.device) -> "DocumentBatches":
-        """The layout from each document's flat start and length in a `(batch_size, length)` batch, documents grouped
-        by `documents.bucket_bounds` (the rule varlen attention groups by too)."""
+        """The document batches from each document's flat start and length in a `(batch_size, length)` batch,
+        documents grouped by `documents.bucket_bounds` (the rule varlen attention groups by too)."""
         order = np.argsort(-lengths, kind="stable")
         pad_index = int(np.prod(shape))
         gather, real, targets = [], [], []

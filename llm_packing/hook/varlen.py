@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.checks import check_choice
+from ..core.rows import position_ids
 from ..errors import UnsupportedSetupError
 from . import registry
 from .documents import bucket_bounds, documents_of
@@ -110,7 +111,7 @@ class PackedAttentionMask:
 def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     pieces = -(-lengths // chunk)
     document = np.repeat(np.arange(len(lengths)), pieces)
-    index = np.arange(len(document)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    index = position_ids(pieces)  # which piece of its document
     return starts[document] + index * chunk, np.minimum(lengths[document] - index * chunk, chunk)
 
 

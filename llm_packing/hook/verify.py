@@ -6,9 +6,14 @@ noise in its dtype, measured by one more forward that needs no isolation at all 
 forwards of at most 3 x 16 tokens.
 """
 
+import logging
+
 import torch
 
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+
+
+logger = logging.getLogger(__name__)
 
 
 # Limits when the model computes each document alone and in a batch identically (float32 on tiny models, eager).
@@ -116,3 +121,27 @@ def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.T
     output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     logits = getattr(output, "logits", None)
     return (output.last_hidden_state if logits is None else logits).float()
+
+
+def configure_and_verify(
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = ""
+) -> float | None:
+    """
+    What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
+    then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
+    states), logging the outcome (`where` prefixes the line, e.g. `"[rank 0/2] "`).
+
+    Returns the difference `verify_packing` measured, or `None` when `verify` is off.
+    """
+    from .configure import configure_packing
+
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    for model in models:
+        configure_packing(model)
+    if not verify:
+        logger.info("%sisolation not verified (`verify_packing` off)", where)
+        return None
+    difference = verify_packing(models[0] if checked is None else checked)
+    logger.info("%sisolation verified: packed %s equal per-document %s (max abs diff %.2g)", where, compared, compared,
+                difference)
+    return difference

@@ -2,9 +2,8 @@
 
 `DPOTrainer` runs the policy and the reference on one padded batch of `[chosen..., rejected...]` sequences, through the
 fused LM head TRL adds to both (`model(..., labels=labels, fused_lm_head=True)`). This subclass makes that head pack
-the real tokens of the batch ([`~llm_packing.batches.padded_forward.pack_fused_lm_head`]), so padding costs no
-compute, while
-each sequence attends only to itself with positions from 0: the per-token log-probs, and so the loss of every
+the real tokens of the batch ([`~llm_packing.batches.padded_forward.pack_fused_lm_head`]), so padding costs no compute,
+while each sequence attends only to itself with positions from 0: the per-token log-probs, and so the loss of every
 `loss_type` and every logged metric, are TRL's own.
 """
 

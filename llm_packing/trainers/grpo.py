@@ -4,8 +4,7 @@ GRPO scores every completion with the policy (and the old and reference policies
 prompts on the left, completions on the right, and rollout lengths vary wildly. Generation stays TRL's own; the
 per-token log-prob forwards (`_get_per_token_logps_and_entropies`, through TRL's fused LM head) pack the real tokens
 of each row ([`~llm_packing.batches.padded_forward.pack_fused_lm_head`]), so the loss code sees TRL's padded layout
-unchanged.
-"""
+unchanged. """
 
 from trl import GRPOTrainer
 

@@ -3,25 +3,21 @@
 A reward model (a `*ForSequenceClassification` head with one label) scores each sequence at its last real token.
 `RewardTrainer` runs it on a padded batch of `[chosen..., rejected...]` sequences; here the real tokens of the batch go
 into one packed row ([`~llm_packing.batches.padded_forward.pack_padded_batch`]), the backbone runs once with every
-sequence
-isolated by [`~llm_packing.configure_packing`], and the head scores each sequence at the token transformers would
+sequence isolated by [`~llm_packing.configure_packing`], and the head scores each sequence at the token transformers
+would
 pick in the padded batch (the rightmost token that is not `pad_token_id`). The loss and metrics code is TRL's own.
 """
 
 import functools
-import logging
 
 import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl import RewardTrainer
 
-from ..batches.padded_forward import PackedLayout, pack_padded_batch
+from ..batches.padded_forward import PaddedToPacked, pack_padded_batch
 from ..errors import ContaminationError, PackingValueError, UnsupportedSetupError
-from ..hook.configure import configure_packing, is_packing_configured
-from ..hook.verify import verify_packing as check_isolation
-
-
-logger = logging.getLogger(__name__)
+from ..hook.configure import is_packing_configured
+from ..hook.verify import configure_and_verify
 
 
 class PackedRewardTrainer(RewardTrainer):
@@ -44,14 +40,11 @@ class PackedRewardTrainer(RewardTrainer):
     def __init__(self, model, args=None, *positional, verify_packing: bool = True, **kwargs):
         super().__init__(model, args, *positional, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
-        configure_packing(model)
         scorer = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the head model
         pack_sequence_scores(scorer)
-        if not verify_packing:
-            logger.info("isolation not verified (`verify_packing` off)")
-            return
-        difference = check_isolation(getattr(scorer, scorer.base_model_prefix))
-        logger.info("isolation verified: packed hidden states equal per-document ones (max abs diff %.2g)", difference)
+        # The backbone's hidden states are what the head scores: verified there.
+        configure_and_verify(model, verify=verify_packing, checked=getattr(scorer, scorer.base_model_prefix),
+                             compared="hidden states")
 
 
 def pack_sequence_scores(model, *, max_length: int | None = None):
@@ -118,10 +111,10 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
                 "A packed reward forward ran without `configure_packing`: the packed sequences would attend to each "
                 "other. Call `llm_packing.configure_packing(model)` first (PackedRewardTrainer does)."
             )
-        layout = pack_padded_batch(input_ids, attention_mask, max_length=max_length)
-        hidden = backbone(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                          position_ids=layout.position_ids, use_cache=False).last_hidden_state
-        scored = _packed_index_of_scored_tokens(layout, input_ids, attention_mask, model.config)
+        packing = pack_padded_batch(input_ids, attention_mask, max_length=max_length)
+        hidden = backbone(input_ids=packing.input_ids, attention_mask=packing.attention_mask,
+                          position_ids=packing.position_ids, use_cache=False).last_hidden_state
+        scored = _packed_index_of_scored_tokens(packing, input_ids, attention_mask, model.config)
         return SequenceClassifierOutputWithPast(logits=head(hidden.flatten(0, 1).index_select(0, scored)))
 
     packed_scores._packs_padded_batches = True
@@ -134,7 +127,7 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
 _IGNORED = ("return_dict", "margin")
 
 
-def _packed_index_of_scored_tokens(layout: PackedLayout, input_ids, attention_mask, config) -> torch.Tensor:
+def _packed_index_of_scored_tokens(packing: PaddedToPacked, input_ids, attention_mask, config) -> torch.Tensor:
     """Flat index in the packed batch of the token the padded classifier scores in each row: transformers' rule, the
     rightmost token that is not `pad_token_id` (the last column without one)."""
     batch_size, length = input_ids.shape
@@ -145,7 +138,7 @@ def _packed_index_of_scored_tokens(layout: PackedLayout, input_ids, attention_ma
         columns = torch.arange(length, device=input_ids.device)
         scored = (columns * (input_ids != pad_token_id)).argmax(-1)
     packed_of_padded = torch.full((batch_size * length,), -1, dtype=torch.long, device=input_ids.device)
-    packed_of_padded[layout.padded_index] = layout.packed_index
+    packed_of_padded[packing.padded_index] = packing.packed_index
     packed = packed_of_padded[torch.arange(batch_size, device=input_ids.device) * length + scored]
     if bool((packed < 0).any()):
         row = int((packed < 0).nonzero()[0])

@@ -3,13 +3,11 @@
 Stock `SFTTrainer` given packed rows with its defaults cuts them to `SFTConfig.max_length` (1024) and collates them
 with an all-ones mask, so documents attend to each other. This subclass keeps TRL's training loop, loss and logging,
 and changes only what packed rows need: TRL's dataset preparation off (no truncation, no re-tokenizing), our
-[`~llm_packing.batches.collator.DataCollatorWithPacking`], the hook configured and verified on the model. Every
-setting that
-would cut or mix documents raises a [`~llm_packing.errors.PackingError`] from the constructor.
+[`~llm_packing.batches.collator.DataCollatorWithPacking`], the hook configured and verified on the model. Every setting
+that would cut or mix documents raises a [`~llm_packing.errors.PackingError`] from the constructor.
 """
 
 import copy
-import logging
 import os
 
 import pyarrow.compute as pc
@@ -19,11 +17,8 @@ from trl import SFTConfig, SFTTrainer
 from ..batches.collator import DataCollatorWithPacking
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
-from ..hook.configure import configure_packing
-from ..hook.verify import verify_packing
+from ..hook.verify import configure_and_verify
 
-
-logger = logging.getLogger(__name__)
 
 # `SFTConfig()`'s own max_length: a value the user most likely never chose, so the packed rows' length replaces it.
 _DEFAULT_MAX_LENGTH = SFTConfig.__dataclass_fields__["max_length"].default
@@ -82,6 +77,8 @@ class PackedSFTTrainer(SFTTrainer):
     >>> batch["labels"]
     tensor([[-100,    6,    7, -100],
             [-100,    9, -100, -100]])
+    >>> from llm_packing import unconfigure_packing
+    >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
     ```
     """
@@ -114,14 +111,8 @@ class PackedSFTTrainer(SFTTrainer):
             raise
 
     def _configure_model(self, verify: bool) -> None:
-        configure_packing(self.model)
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        if not verify:
-            logger.info("%sisolation not verified (`verify_packing` off)", where)
-            return
-        difference = verify_packing(self.model)
-        logger.info("%sisolation verified: packed logits equal per-document logits (max abs diff %.2g)", where,
-                    difference)
+        configure_and_verify(self.model, verify=verify, where=where)
 
 
 def _sft_config(args, model) -> SFTConfig:

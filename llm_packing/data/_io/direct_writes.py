@@ -21,12 +21,14 @@ class DirectFile:
 
     Example:
     ```python
-    >>> import tempfile
-    >>> path = tempfile.mktemp()
+    >>> import os, tempfile
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(folder.name, "direct.bin")
     >>> direct = DirectFile.open(path)
     >>> if direct is not None:  # a filesystem without O_DIRECT (tmpfs before Linux 6.6) has none
     ...     direct.write(b"world", 5); direct.write(b"hello", 0); direct.close(10)
     ...     assert open(path, "rb").read() == b"helloworld"
+    >>> folder.cleanup()
 
     ```
     """

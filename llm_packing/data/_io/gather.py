@@ -5,8 +5,7 @@ document maps a whole page-cache folio (hundreds of KiB here) into the process, 
 in full (15 GiB at 10M rows). Instead the rows are cut into groups of about `group_tokens`; a group's documents are
 read in input order, a bounded slice at a time, each slice's tokens put where they go in the group's buffers, and
 [`~llm_packing.data._io.resident_pages.ResidentPages`] gives back the pages read so far whenever they add up: a sweep
-in input
-order maps each folio once per group instead of once per document. A group is then handed to the writer (which
+in input order maps each folio once per group instead of once per document. A group is then handed to the writer (which
 writes on its own thread) a chunk of about `chunk_tokens` at a time, while the next group is read into a second set
 of buffers; each set is reused once its rows are written (fresh memory costs page faults). An input in memory, or
 mapping less than the limit, is read in row order instead, straight into place: nothing there to bound.
@@ -21,9 +20,8 @@ from ...core.rows import ignore_document_starts, ignore_masked, position_ids, se
 def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_tokens, group_tokens, pages,
                between_groups=None) -> None:
     """
-    Gather the packed rows and hand them to `writer` (a [`~llm_packing.data._io.packed_cache.PackedWriter`]) a chunk
-    at a
-    time.
+    Gather the packed rows and hand them to `writer` (a [`~llm_packing.data._io.packed_cache.PackedWriter`]) a chunk at
+    a time.
 
     Args:
         columns (`dict[str, TokenColumn]`): The columns to read by name (`input_ids`, and `labels` / masks when the
@@ -126,30 +124,34 @@ class _Reader:
                 last = min(last, int(np.searchsorted(addresses, addresses[first] + span, side="left")))
             last = max(last, first + 1)
             part = order[first:last]
-            size = int(ends[last - 1] - base)
-            by_runs = size >= _RUN_COPY_MIN_TOKENS * len(part)
-            if by_runs:
-                destination = None
-            elif self._pages.bounds:
-                destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
-            else:
-                destination = slice(base, base + size)
-            for name, column in self._columns.items():
-                if by_runs and not column.bits:
-                    column.copy_runs(self._starts[name][ids[part]], lengths[part], buffers[name], positions[part])
-                    continue
-                if destination is None:
-                    destination = segment_aranges(positions[part], lengths[part], out=self._destination[:size])
-                source = segment_aranges(self._starts[name][ids[part]], lengths[part], out=self._source[:size])
-                if column.bits:
-                    buffers[name][destination] = column.take(source)
-                elif isinstance(destination, slice):  # straight into place
-                    column.take(source, out=buffers[name][destination])
-                else:
-                    buffers[name][destination] = column.take(source, out=self._values[:size])
+            self._copy_slice(buffers, ids[part], positions[part], lengths[part], base, int(ends[last - 1] - base))
             self._pages.check()
             first = last
         return buffers
+
+    def _copy_slice(self, buffers, ids, positions, lengths, base: int, size: int) -> None:
+        """The tokens of one slice of pieces into `buffers`: run by run where pieces are long, else by a gather of
+        token indices (straight into place when the slice lies in row order)."""
+        by_runs = size >= _RUN_COPY_MIN_TOKENS * len(ids)
+        if by_runs:
+            destination = None
+        elif self._pages.bounds:
+            destination = segment_aranges(positions, lengths, out=self._destination[:size])
+        else:
+            destination = slice(base, base + size)
+        for name, column in self._columns.items():
+            if by_runs and not column.bits:
+                column.copy_runs(self._starts[name][ids], lengths, buffers[name], positions)
+                continue
+            if destination is None:
+                destination = segment_aranges(positions, lengths, out=self._destination[:size])
+            source = segment_aranges(self._starts[name][ids], lengths, out=self._source[:size])
+            if column.bits:
+                buffers[name][destination] = column.take(source)
+            elif isinstance(destination, slice):  # straight into place
+                column.take(source, out=buffers[name][destination])
+            else:
+                buffers[name][destination] = column.take(source, out=self._values[:size])
 
 
 def _row_values(group, tokens, lengths, names) -> dict[str, np.ndarray]:

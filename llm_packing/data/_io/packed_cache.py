@@ -150,13 +150,12 @@ class PackedWriter:
 
     The output does not go through the page cache, as a streaming writer's should not: a corpus-sized output would
     evict the input it is gathered from, and filling, writing back and freeing a page-cache page per page of output
-    is most of what writing costs (on this project's virtual machines, which return freed memory to the host, 1,600
-    MiB written 4 MiB at a time through the page cache took 3.9 s, nearly all system time: `first_touch.py`).
-    Where the filesystem takes `O_DIRECT` ([`~llm_packing.data._io.direct_writes.DirectFile`]), each chunk goes from
-    the
-    thread's serialisation buffer to the disk (0.35 s for the same writes); elsewhere writes drop behind them (0.44 s):
-    each written chunk is sent to disk at once, and the pages more than `_DROP_BEHIND_BYTES` behind the newest chunk
-    leave the page cache once on disk (the kernel keeps any not written yet), so that the next chunks reuse them.
+    is most of what writing costs on virtual machines that return freed memory to the host
+    (benchmarks/results/first_touch.md). Where the filesystem takes `O_DIRECT`
+    ([`~llm_packing.data._io.direct_writes.DirectFile`]), each chunk goes from the thread's serialisation buffer to
+    the disk; elsewhere writes drop behind them: each written chunk is sent to disk at once, and the pages more than
+    `_DROP_BEHIND_BYTES` behind the newest chunk leave the page cache once on disk (the kernel keeps any not written
+    yet), so that the next chunks reuse them.
     Either way the packed rows are read from disk the first time training reads them.
     """
 

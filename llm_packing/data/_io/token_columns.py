@@ -31,8 +31,7 @@ class TokenColumn:
         name (`str`): The column.
         lengths (`np.ndarray`, *optional*): The `input_ids` row lengths this column must match.
         pages ([`~llm_packing.data._io.resident_pages.ResidentPages`], *optional*): Checked after each window the
-        checks read.
-        checks ([`ValueChecks`], *optional*): Where the values are checked; by default at once, here.
+        checks read. checks ([`ValueChecks`], *optional*): Where the values are checked; by default at once, here.
 
     Example:
     ```python

@@ -87,8 +87,7 @@ def _scan_reason(model_type: str) -> str | None:
     isolated_mixers = model_type in _mixer_model_types()
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
-    # Mixers take the 2-D mask as the model hands it to them (llm_packing.hook.mixers re-batches); pure SSMs build no
-    # other.
+    # Mixers take the 2-D mask as the model hands it to them (hook.mixers re-batches); pure SSMs build no other.
     if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None

@@ -251,9 +251,8 @@ REFUSED_BACKENDS: dict[tuple[str, str], str] = {
 }
 
 # Supported types whose sdpa attention the varlen route (llm_packing/hook/varlen.py) cannot express: they keep
-# transformers'
-# dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity matrix's route
-# axis.
+# transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
+# matrix's route axis.
 SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa "
     "function",
