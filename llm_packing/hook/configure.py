@@ -152,10 +152,12 @@ def _patch_builders() -> None:
     module), and in the layer-pattern mapping."""
     from transformers import masking_utils
 
+    replacements = {}
     for name, module_name in _PATCH_TARGETS.items():
         current = getattr(importlib.import_module(module_name), name)
         if not registry.is_ours(current):
-            registry.replace_everywhere(current, builders.wrap(name, current))
+            replacements[current] = builders.wrap(name, current)
+    registry.replace_everywhere(replacements)
     mapping = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
     for key, value in list(mapping.items()):
         replacement = _replace_builder_in(value)
