@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 from random_layouts import ISSUE_25_LAYOUT, Layout, draw_layout, packed_layout_batch
+from test_parity import TOLERANCE, References, layout_differences
 from tiny_models import tiny_model
 
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.hook import documents, indexers
 from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.support import architectures
 
 
 PACKED_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -141,3 +143,18 @@ def test_unconfigure_restores_every_indexer_forward():
         with packing_configured(tiny_model(model_type, "eager")):
             assert indexers.indexer_class(model_type).forward is not originals[model_type]
         assert indexers.indexer_class(model_type).forward is originals[model_type]
+
+
+def test_minimax_m3_sparse_layers_are_refused_for_the_leak_they_have(monkeypatch):
+    """minimax_m3_vl_text is supported as the parity matrix's tiny config has it, without sparse layers; MiniMax-M3's
+    checkpoints have some. Its block indexer reads no mask (it compares key slots with per-document positions): a
+    config with a sparse layer is refused with that reason, and with the refusal bypassed its documents leak."""
+    sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4, "index_topk_blocks": 2}
+    model = tiny_model("minimax_m3_vl_text", "eager", **sparse)
+    with pytest.raises(UnsupportedSetupError, match="'minimax_m3_sparse' layers: MiniMax-M3's block-sparse attention"):
+        architectures.require_supported(model.config)
+    monkeypatch.setattr(architectures, "require_supported", lambda config: None)
+    references = References(model, [ISSUE_25_LAYOUT])
+    with packing_configured(model):
+        logit_difference, _, _ = layout_differences(model, references, ISSUE_25_LAYOUT)
+    assert logit_difference > 100 * TOLERANCE

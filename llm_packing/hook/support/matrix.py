@@ -11,6 +11,7 @@ from .architectures import (
     FLASH_BACKENDS,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
+    REFUSED_LAYER_TYPES,
     _causal_lm_class,
     _refused_model_types,
     backend_available,
@@ -78,6 +79,11 @@ def support_matrix_markdown() -> str:
     refused = _refused_model_types()
     lines += ["", f"## Refused ({len(refused)})", "", "| model_type | reason |", "|---|---|"]
     lines += [f"| {model_type} | {reason} |" for model_type, reason in refused.items()]
+    lines += [
+        "", "## Refused layer kinds", "", "A config whose `layer_types` holds one is refused, whatever its type.", "",
+        "| layer kind | reason |", "|---|---|",
+    ]
+    lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
     return "\n".join(lines) + "\n"
 
 
