@@ -9,7 +9,8 @@ the 64 KiB of page cache around the page it touches (the kernel's fault-around),
 when they add up, so every 64 KiB window of the input that a group touches is mapped (and later unmapped) once for
 that group. Printed per order: the windows mapped summed over the groups (the input itself is the floor), the
 spread of the documents of a tenth of the rows over the input (5th to 95th percentile of their addresses, median
-over the ten tenths), and how long reordering took. Lengths only: no corpus is read.
+over the ten tenths), and how long reordering took. Lengths only: no corpus is read. `pack_dataset` orders by
+document index, not token address (`plan_rows`): the same order for any engine that numbers the documents alike.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import numpy as np
 
 from llm_packing.core.binpack import pack_sequences
 from llm_packing.core.locality import local_order
+from llm_packing.core.plan import plan_rows
 from llm_packing.data import pack as dataset
 
 
@@ -65,13 +67,20 @@ def main() -> None:
     start = time.perf_counter()
     order, bin_offsets = local_order(plan.order, plan.bin_offsets, lengths, starts)
     took = time.perf_counter() - start
+    start = time.perf_counter()
+    rows_plan = plan_rows(lengths.astype(np.uint16), args.max_length)
+    planned = time.perf_counter() - start
     input_bytes = int(lengths.sum()) * TOKEN_BYTES
     print(f"# pack_locality: {args.rows:,} documents, {input_bytes / 2**30:.2f} GiB of int32 ids, "
           f"max_length {args.max_length}, groups of {group_tokens(int(lengths.sum())):,} tokens\n")
     print("| row order | windows mapped, summed over groups | spread of a tenth of the rows | reorder time |")
     print("|---|---|---|---|")
-    for name, (rows, offsets), seconds in (("engine (`pack_sequences`)", (plan.order, plan.bin_offsets), None),
-                                           ("`local_order`", (order, bin_offsets), took)):
+    for name, (rows, offsets), seconds in (
+        ("engine (`pack_sequences`)", (plan.order, plan.bin_offsets), None),
+        ("`local_order` by token address", (order, bin_offsets), took),
+        ("`plan_rows` (`pack_dataset`): by document index; time includes the plan",
+         (rows_plan.order, rows_plan.bin_offsets), planned),
+    ):
         mapped = windows_mapped(rows, lengths, starts)
         print(f"| {name} | {mapped / 2**30:.2f} GiB ({mapped / input_bytes:.1f}x the input) "
               f"| {tenth_spread(rows, offsets, starts):.2f} of the input "

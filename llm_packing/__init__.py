@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from . import _moved
 
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.2.0"
 
 # Public name -> module holding it. Imported on first use (PEP 562): `import llm_packing` stays light, so the command
 # line can speak before torch loads, and `PackedSFTTrainer` needs TRL only when used.
@@ -22,6 +22,7 @@ _EXPORTS = {
     **dict.fromkeys(("STRATEGIES", "PackResult", "pack_sequences", "seed_from_components"), "core.binpack"),
     "DataCollatorWithPacking": "batches.collator",
     **dict.fromkeys(("PackedDatasetEpochs", "pack_dataset"), "data.pack"),
+    **dict.fromkeys(("pack_dataset_on_ray", "read_packed_on_ray"), "data.on_ray"),
     **dict.fromkeys(
         ("ContaminationError", "IncompatibleTransformersError", "PackingError", "PackingTypeError",
          "PackingValueError", "SequenceTooLongError", "UnsupportedSetupError"),
@@ -71,6 +72,10 @@ if TYPE_CHECKING:
         seed_from_components as seed_from_components,
     )
     from .core.stats import PackingStats as PackingStats
+    from .data.on_ray import (
+        pack_dataset_on_ray as pack_dataset_on_ray,
+        read_packed_on_ray as read_packed_on_ray,
+    )
     from .data.pack import (
         PackedDatasetEpochs as PackedDatasetEpochs,
         pack_dataset as pack_dataset,

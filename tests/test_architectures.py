@@ -5,7 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 import test_flash_path
+import test_image_text_parity
 import test_parity
+from transformers import AutoConfig
 
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.hook.mixers import MIXERS
@@ -17,6 +19,14 @@ from llm_packing.hook.support.architectures import (
     refusal_reason,
     require_supported,
     supported_model_types,
+)
+from llm_packing.hook.support.image_text import (
+    PROVEN_IMAGE_TEXT_TYPES,
+    REFUSED_IMAGE_TEXT_TYPES,
+    image_text_model_types,
+    refused_image_text_model_types,
+    require_images_supported,
+    supported_image_text_model_types,
 )
 
 
@@ -152,3 +162,50 @@ def test_documented_counts_are_the_tables():
     assert int(headline.group(1)) == int(supported.group(1)) == int(hybrids.group(1)) == len(supported_model_types())
     assert int(refused.group(1)) == len(_refused_model_types())
     assert int(hybrids.group(2)) == len(MIXERS)
+    image_text = re.search(r"The image-text types of `hook/support/image_text.py` \((\d+),", guarantees)
+    assert image_text and int(image_text.group(1)) == len(supported_image_text_model_types())
+
+
+def test_every_image_text_type_is_proven_or_refused_with_its_own_reason():
+    """The image-text table decides every type of transformers' image-text mapping by hand: proven by
+    tests/test_image_text_parity.py, or refused with a reason of its own (never the generic fallback)."""
+    types = set(image_text_model_types())
+    assert set(supported_image_text_model_types()) == set(PROVEN_IMAGE_TEXT_TYPES) <= types
+    assert types == set(PROVEN_IMAGE_TEXT_TYPES) | set(REFUSED_IMAGE_TEXT_TYPES)
+    assert not set(PROVEN_IMAGE_TEXT_TYPES) & set(REFUSED_IMAGE_TEXT_TYPES)
+    reasons = refused_image_text_model_types()
+    assert all(reason.strip() and "not verified" not in reason for reason in reasons.values())
+    assert len(supported_image_text_model_types()) >= 15
+
+
+def test_every_exact_image_text_cell_is_a_run_of_the_image_text_matrix():
+    runs = {tuple(param.values[:2]) for param in test_image_text_parity.MATRIX}
+    for model_type in supported_image_text_model_types():
+        for backend in support_matrix.IMAGE_TEXT_BACKENDS:
+            if support_matrix._image_text_cell(model_type, backend).startswith("exact"):
+                assert (model_type, backend) in runs, (model_type, backend)
+
+
+def test_supported_model_types_stays_the_causal_lm_list():
+    assert "llava" not in supported_model_types() and "llava" in supported_image_text_model_types()
+    assert "gemma3" in supported_model_types() and "gemma3" in supported_image_text_model_types()
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl", "mllama"])
+def test_require_supported_takes_an_image_text_type_on_its_proven_backends(model_type):
+    config = AutoConfig.for_model(model_type)
+    config._attn_implementation = "sdpa"
+    require_supported(config)
+    config._attn_implementation = "flash_attention_2"
+    if model_type == "mllama":  # a causal LM type too: its text-only batches keep that table's backends
+        require_supported(config)
+    else:
+        with pytest.raises(UnsupportedSetupError, match="proved it on eager, sdpa"):
+            require_supported(config)
+
+
+def test_require_supported_refuses_a_refused_image_text_type():
+    with pytest.raises(UnsupportedSetupError, match="'qwen2_5_omni_thinker'"):
+        require_supported(AutoConfig.for_model("qwen2_5_omni_thinker"))
+    with pytest.raises(UnsupportedSetupError, match=r"attention_mask == 1"):
+        require_images_supported("qwen2_5_omni_thinker", "sdpa")

@@ -526,13 +526,13 @@ class TestDeprecationsFailTheRun:
     def test_a_dependency_deprecation_hit_by_our_code_is_an_error(self, monkeypatch, category):
         # What a transformers/torch deprecation looks like: `warnings.warn(..., stacklevel=2)` names the caller, here
         # `llm_packing.data.pack`, and the filter's module regex matches that caller's `__name__`.
-        real = dataset_module.pack_sequences
+        real = dataset_module.plan_rows
 
         def deprecated(*args, **kwargs):
-            warnings.warn("`pack_sequences` is deprecated", category, stacklevel=2)
+            warnings.warn("`plan_rows` is deprecated", category, stacklevel=2)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(dataset_module, "pack_sequences", deprecated)
+        monkeypatch.setattr(dataset_module, "plan_rows", deprecated)
         with pytest.raises(category, match="is deprecated"):
             pack_dataset(Dataset.from_dict(SMALL), 4)
 

@@ -1,7 +1,12 @@
 """`pack_dataset` at corpus scale: memory-mapped input read in place, lean output columns, the datasets-style cache."""
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import datasets
@@ -314,7 +319,7 @@ class TestCache:
         the same rows (nothing is packed again), and another epoch pairs the same documents anew."""
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
         first, second = epochs.repack(0), epochs.repack(1)
-        monkeypatch.setattr(dataset_module, "pack_sequences", _never_called)
+        monkeypatch.setattr(dataset_module, "plan_rows", _never_called)
         again = epochs.repack(0)
         files = [dataset.cache_files[0]["filename"] for dataset in (first, second, again)]
         assert files[0] == files[2] != files[1]
@@ -417,3 +422,60 @@ class TestNumProc:
             pack_dataset(Dataset.from_dict(columns), 40).to_dict()
         with pytest.raises(PackingValueError, match=r"`num_proc` must be a positive integer or None .*got 0"):
             pack_dataset(Dataset.from_dict(columns), 40, num_proc=0)
+
+
+_KILLED_WRITER = """
+import sys, time
+import datasets
+from llm_packing import pack_dataset
+from llm_packing.data._io import packed_cache
+
+write = packed_cache.PackedWriter.write
+
+def write_then_hang(self, table):
+    future = write(self, table)
+    future.result()
+    open(sys.argv[2], "w").close()  # a chunk is on disk: tell the parent, then wait for the kill
+    time.sleep(600)
+
+packed_cache.PackedWriter.write = write_then_hang
+pack_dataset(datasets.Dataset.from_file(sys.argv[1]), 40)
+"""
+
+
+def test_a_pack_killed_mid_write_leaves_nothing_a_later_call_takes_as_complete(tmp_path):
+    """SIGKILL while the cache file is being written (no handler runs): the half-written file never has the cache
+    file's name, the next call packs every token and writes a complete file, and the orphaned temporary goes."""
+    dataset = mapped(tmp_path, random_columns(num_rows=300))
+    started = tmp_path / "chunk-written"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, dataset.cache_files[0]["filename"], str(started)])
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the writer never wrote a chunk"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    orphans = [path.name for path in tmp_path.iterdir()
+               if path.name.startswith("tmp-llm_packing-") and f"-{child.pid}-" in path.name]
+    assert len(orphans) == 1 and os.path.getsize(tmp_path / orphans[0]) > 0
+    packed = pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)
+    assert _documents(packed) == sorted(tuple(ids) for ids in dataset["input_ids"] if ids)
+    assert not (tmp_path / orphans[0]).exists()
+    assert pack_dataset(datasets.Dataset.from_file(dataset.cache_files[0]["filename"]), 40)["input_ids"] == (
+        packed["input_ids"])  # the complete file is what a later call loads
+
+
+def test_orphaned_temporaries_of_other_machines_are_left_alone(tmp_path):
+    """On a folder several machines share, a temporary named for another host is never removed: its process id
+    means nothing here."""
+    from llm_packing.data._io import packed_cache
+
+    dead_pid = 2**22 + 12345  # above Linux's default pid_max: no such process
+    mine = tmp_path / f"{packed_cache._local_temporary_prefix().rsplit('-', 2)[0]}-{dead_pid}-x"
+    theirs = tmp_path / f"tmp-llm_packing-another_node-{dead_pid}-x"
+    for path in (mine, theirs):
+        path.write_bytes(b"half a file")
+    assert packed_cache.remove_orphaned_temporaries(str(tmp_path)) == [str(mine)]
+    assert theirs.exists() and not mine.exists()

@@ -9,6 +9,8 @@ hidden behind a function-level import still ties two layers together, and breaks
 import ast
 import functools
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -182,3 +184,10 @@ def test_the_packed_row_rules_have_one_home():
     for module in ("data.pack", "data.streaming", "batches.collator", "cli.documents", "data._io.token_columns"):
         assert "core.rows" in graph[module], module
     assert "data.pack" not in graph["batches.collator"] | graph["cli.documents"] | graph["data.streaming"]
+
+
+def test_ray_is_imported_only_when_packing_on_ray():
+    # `pack_dataset_on_ray` is an optional extra: importing the package and its name must not need Ray.
+    code = ("import sys, llm_packing; from llm_packing import pack_dataset_on_ray, read_packed_on_ray; "
+            "import llm_packing.cli.train; assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

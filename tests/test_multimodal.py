@@ -1,5 +1,7 @@
 """Multimodal checkpoints fine-tuned on text: the wrapper classes run packed text-only batches exactly (the parity
-matrix covers their rows; here the inputs a multimodal trainer adds), and a packed batch carrying media is refused."""
+matrix covers their rows; here the inputs a multimodal trainer adds), and a packed batch carrying media is refused
+unless its type's images are packed (`tests/test_image_text_parity.py`), whose media must then match the
+placeholders."""
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ from test_parity import TOLERANCE, _max_differences
 from tiny_models import packed_batch, tiny_model
 from transformers import MllamaTextConfig
 
-from llm_packing.errors import UnsupportedSetupError
+from llm_packing.errors import PackingValueError, UnsupportedSetupError
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.support.model_types import causal_lm_model_type
 
@@ -50,10 +52,12 @@ def _packed_forward(model, batch, **inputs):
         return model(**{key: batch[key] for key in keys}, **inputs, use_cache=False)
 
 
-def test_packed_batch_with_pixel_values_is_refused():
+def test_packed_batch_with_pixels_but_no_placeholders_is_refused():
+    """gemma3's images are packed with their documents (`hook.image_text`); pixels whose placeholders the batch does
+    not hold are refused before any layer runs."""
     model = tiny_model("gemma3", "eager")
     pixel_values = torch.zeros(1, 3, 8, 8)
-    refused = pytest.raises(UnsupportedSetupError, match="Gemma3ForConditionalGeneration.*pixel_values")
+    refused = pytest.raises(PackingValueError, match="256 features .* hold 0 image placeholder tokens")
     with packing_configured(model), refused:
         _packed_forward(model, packed_batch(), pixel_values=pixel_values)
 
@@ -70,19 +74,24 @@ def test_gemma3n_packed_batch_with_image_or_audio_is_refused(inputs):
         _packed_forward(model, packed_batch(), **inputs)
 
 
-def test_packed_batch_with_image_placeholder_tokens_is_refused():
-    model = tiny_model("gemma3", "eager", image_token_id=IMAGE_TOKEN_ID)
+@pytest.mark.parametrize(("model_type", "error", "match"), [
+    ("gemma3n", UnsupportedSetupError, rf"placeholder tokens \[{IMAGE_TOKEN_ID}, "),
+    ("gemma3", PackingValueError, "0 features .* hold 1 image placeholder tokens"),
+])
+def test_packed_batch_with_image_placeholder_tokens_is_refused(model_type, error, match):
+    """A placeholder without its image: refused as media of a type whose images are not packed (gemma3n), as an
+    image without pixels for one whose are (gemma3)."""
+    model = tiny_model(model_type, "eager", image_token_id=IMAGE_TOKEN_ID)
     batch = packed_batch()
     batch["input_ids"][1, 3] = IMAGE_TOKEN_ID
-    refused = pytest.raises(UnsupportedSetupError, match=rf"placeholder tokens \[{IMAGE_TOKEN_ID}\]")
-    with packing_configured(model), refused:
+    with packing_configured(model), pytest.raises(error, match=match):
         _packed_forward(model, batch)
 
 
 def test_guard_leaves_unpacked_batches_and_goes_with_unconfigure():
     """Only packed batches are refused: the same tokens under a 0/1 mask reach the model, and `unconfigure_packing`
     removes the guard."""
-    model = tiny_model("gemma3", "eager", image_token_id=IMAGE_TOKEN_ID)
+    model = tiny_model("gemma3n", "eager", image_token_id=IMAGE_TOKEN_ID)
     batch = packed_batch()
     batch["input_ids"][1, 3] = IMAGE_TOKEN_ID
     with packing_configured(model):

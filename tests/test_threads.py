@@ -78,10 +78,10 @@ def _logits(model, batch):
                      position_ids=batch["position_ids"], use_cache=False).logits
 
 
-def _hammer(models, batches) -> list[float]:
+def _hammer(models, batches, logits=_logits) -> list[float]:
     """Per batch, the largest difference between its outputs on the threads (thread `i` runs `models[i]`) and its
-    output run alone."""
-    expected = [_logits(model, batch) for model, batch in zip(models, batches, strict=True)]
+    output run alone (`logits(model, batch)` runs a batch)."""
+    expected = [logits(model, batch) for model, batch in zip(models, batches, strict=True)]
     differences = [0.0] * len(batches)
     errors = []
     start = threading.Barrier(len(batches))
@@ -91,8 +91,8 @@ def _hammer(models, batches) -> list[float]:
             for _ in range(ROUNDS):
                 start.wait()
                 # Fresh tensors every round, as a data loader gives: per-forward state must follow the new mask.
-                output = _logits(models[index], {key: value.clone() for key, value in batches[index].items()
-                                                 if isinstance(value, torch.Tensor)})
+                output = logits(models[index], {key: value.clone() for key, value in batches[index].items()
+                                                if isinstance(value, torch.Tensor)})
                 differences[index] = max(differences[index], (output - expected[index]).abs().max().item())
         except BaseException as error:  # reported below: a thread's exception would otherwise vanish
             errors.append(error)
@@ -131,6 +131,37 @@ def test_concurrent_forwards_on_replicas_of_a_model_that_keeps_state_on_its_modu
     model = tiny_model("recurrent_gemma", "eager")
     with packing_configured(model):
         differences = _hammer([copy.deepcopy(model) for _ in range(THREADS)], _batches())
+    assert max(differences) <= TOLERANCE, differences
+
+
+# Three packed image-text batches per type: other documents (0 to 2 images of other sizes), other row counts.
+IMAGE_LAYOUTS = (
+    (((7, ()), (6, ((56, 84),)), (9, ((112, 56), (56, 56)))), ((0, 1), (2,))),
+    (((5, ((84, 84), (56, 112))), (3, ()), (6, ((168, 56),))), ((0, 1, 2),)),
+    (((4, ()), (8, ((56, 56),)), (2, ()), (6, ((112, 56),))), ((0, 3), (1, 2))),
+)
+
+
+def _image_text_logits(model, batch):
+    with torch.no_grad():
+        return model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+
+
+@pytest.mark.parametrize(("model_type", "route"), [
+    ("qwen2_5_vl", "varlen"), ("qwen2_5_vl", "dense"), ("gemma3", "auto"), ("mllama", "auto"),
+])
+def test_concurrent_image_text_forwards_each_get_their_own_documents(model_type, route):
+    """The image-text state of a forward (its mRoPE positions, computed in a pre-hook; its block ids and
+    same-document mask function, in the builder call; Mllama's image slot owners, kept on the forward's documents)
+    belongs to that forward."""
+    from test_image_text_parity import make_case
+    from tiny_image_text import TinyImageText
+
+    tiny = TinyImageText(model_type, "sdpa")
+    batches = [make_case(model_type, "sdpa", documents, rows, padding=2, seed=10 * k, tiny=tiny).batch
+               for k, (documents, rows) in enumerate(IMAGE_LAYOUTS)]
+    with packing_configured(tiny.model, attention_route=route):
+        differences = _hammer([tiny.model] * THREADS, batches, logits=_image_text_logits)
     assert max(differences) <= TOLERANCE, differences
 
 

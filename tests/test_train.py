@@ -96,6 +96,9 @@ def test_config_equals_form(tmp_path):
         ({"block_diag_attn": False, "padding_free": True}, PackingValueError, r"`padding_free: true` flattens"),
         ({"max_samples": 0}, PackingValueError, r"`max_samples` must be a positive integer or None, got 0"),
         ({"load_in_4bit": True}, UnsupportedSetupError, r"`load_in_4bit` / `load_in_8bit` are not supported"),
+        ({"packing_engine": "spark"}, PackingValueError, r"`packing_engine` must be one of \('local', 'ray'\)"),
+        ({"ray_address": "auto"}, PackingValueError, r"`ray_address: auto` is read by `packing_engine: ray` only"),
+        ({"packed_dir": "/tmp/x"}, PackingValueError, r"`packed_dir: /tmp/x` is read by `packing_engine: ray`"),
     ],
 )
 def test_bad_recipe_is_refused_by_name(tmp_path, changes, error, match):

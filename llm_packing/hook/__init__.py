@@ -7,8 +7,11 @@ every backend, and `unconfigure_packing()` undoes it.
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
 - `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
-- `multimodal`: media inputs in packed batches;
-- `verify`: `verify_packing`, the behavioural check;
+- `multimodal`: media inputs in packed batches: images of the proven image-text types prepared by `image_text`
+  (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, Mllama's
+  cross-attention bounded in `cross_attention`), all other media refused;
+- `mask_functions`: mask builder calls with image mask functions (bidirectional image blocks) bounded by the document;
+- `verify`: `verify_packing`, the behavioural check (with images: `verify_images`);
 - `support`: which architectures are proven or refused, as data, and the support matrix.
 
 May import: `llm_packing.core`, `llm_packing.errors`, `llm_packing._compat`, torch and transformers; never `data`,

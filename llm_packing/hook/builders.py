@@ -20,7 +20,7 @@ import torch
 
 from .. import _compat
 from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
-from . import registry, varlen
+from . import mask_functions, registry, varlen
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
 
@@ -55,17 +55,16 @@ def _wrap_builder(original):
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
         attention_mask = arguments.get("attention_mask")
-        if attention_mask is not None and attention_mask.dim() == 4 and torch.is_grad_enabled():
-            raise UnsupportedSetupError(
-                f"A prepared 4-D `attention_mask` of shape {tuple(attention_mask.shape)} reached a training forward "
-                "while packing is configured: it bypasses per-document masking and drops sliding windows. Pass the "
-                "indexed 2-D mask from DataCollatorWithPacking instead, or call `unconfigure_packing()`."
-            )
+        if isinstance(attention_mask, varlen.PackedAttentionMask):
+            # A wrapper model (PaliGemma) built the mask and hands it on to its text model, whose builder must return
+            # it unchanged, as transformers does for any prepared mask.
+            return attention_mask
+        if not getattr(attention_mask, _PREPARED, False):
+            _refuse_prepared_mask_in_training(attention_mask)
         if not is_integer_mask(attention_mask):
             _refuse_float_document_ids(attention_mask)
             return original(*args, **kwargs)
-        position_ids = arguments.get("position_ids")
-        if not _check_documents(attention_mask, position_ids):
+        if not check_documents(attention_mask, arguments.get("position_ids")):
             return original(*args, **kwargs)
         config = arguments["config"]
         if arguments.get(cache_name) is not None:
@@ -75,30 +74,54 @@ def _wrap_builder(original):
                 "documents. Pass `use_cache=False` (Trainer does this for you) or set "
                 "`model.config.use_cache = False`."
             )
-        route = mask_route(config._attn_implementation, config)
-        if route == "flash":
-            return attention_mask
-        if route == "dense" and config._attn_implementation == "sdpa":
-            packed = varlen.mask_for_builder(original.__name__, arguments, attention_mask)
-            if packed is not None:
-                return packed
-        if route == "dense":
-            _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, config._attn_implementation)
-        return _build_per_document(original, bound, attention_mask)
+        return _packed_mask(original, bound, attention_mask, config)
 
     return build_mask_with_documents
 
 
-def _build_per_document(original, bound, attention_mask: torch.Tensor):
-    """transformers' own builder on per-document positions and no mask: its packed-sequence masking. A dense mask it
-    returns (eager, sdpa; flex gets a BlockMask) is recorded with the forward's documents, for the sparse key
+def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
+    """What the builder `original` returns for a validated indexed mask, on the route of the model's backend. A dense
+    mask transformers' own builder returns (eager, sdpa) is recorded with the forward's documents, for the sparse key
     indexers that read it (`hook.indexers`)."""
+    arguments = bound.arguments
+    backend = config._attn_implementation
+    route = mask_route(backend, config)
+    if route == "flash":
+        return attention_mask
+    if route == "dense" and backend == "sdpa" and not mask_functions.carries_mask_functions(arguments):
+        packed = varlen.mask_for_builder(original.__name__, arguments, attention_mask)
+        if packed is not None:
+            return packed
+    if route == "dense":
+        _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, backend)
+    if mask_functions.carries_mask_functions(arguments):
+        return _mark_prepared(mask_functions.build_with_mask_functions(original, bound, attention_mask))
     documents = documents_of(attention_mask)
-    bound.arguments["attention_mask"] = None
-    bound.arguments["position_ids"] = documents.derived("position_ids", lambda: document_position_ids(attention_mask))
+    arguments["attention_mask"] = None
+    arguments["position_ids"] = documents.derived("position_ids", lambda: document_position_ids(attention_mask))
     mask = original(*bound.args, **bound.kwargs)
     if isinstance(mask, torch.Tensor):
         documents.add_prepared_mask(mask)
+    return _mark_prepared(mask)
+
+
+def _refuse_prepared_mask_in_training(attention_mask) -> None:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and torch.is_grad_enabled():
+        raise UnsupportedSetupError(
+            f"A prepared 4-D `attention_mask` of shape {tuple(attention_mask.shape)} reached a training forward "
+            "while packing is configured: it bypasses per-document masking and drops sliding windows. Pass the "
+            "indexed 2-D mask from DataCollatorWithPacking instead, or call `unconfigure_packing()`."
+        )
+
+
+_PREPARED = "_llm_packing_prepared_mask"
+
+
+def _mark_prepared(mask):
+    """Mark a dense mask or BlockMask the hook built for a packed batch: a wrapper model (PaliGemma) hands it on to
+    its text model, whose builder call gets it as a prepared mask and must return it unchanged."""
+    if mask is not None and not isinstance(mask, varlen.PackedAttentionMask):
+        setattr(mask, _PREPARED, True)
     return mask
 
 
@@ -115,7 +138,7 @@ def _refuse_float_document_ids(attention_mask) -> None:
         )
 
 
-def _check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
+def check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
     """Whether the mask is indexed (some id > 1); the ids and positions are checked once per forward, from the host
     copy every part of the hook shares (`hook.documents`)."""
     # While decoding with a KV cache, `position_ids` cover only the new tokens (generation, e.g. GRPO's rollouts).

@@ -63,9 +63,11 @@ def configure_packing(
         `IncompatibleTransformersError`: the installed transformers lacks an internal the hook needs.
         `PackingTypeError`: `model_or_config` is neither a model nor a config.
 
-    A multimodal model trained on text (`Gemma3ForConditionalGeneration`, `MllamaForCausalLM`, ...) is supported as
-    the parity matrix proved it, on text-only batches: a packed forward that carries images, video or audio raises
-    `UnsupportedSetupError`.
+    An image-text model of a type the image-text parity matrix proved (`qwen2_5_vl`, `gemma3`, `llava`, `mllama`,
+    ...: `llm_packing.hook.support.image_text`) packs its images with their documents: build the batch with
+    `llm_packing.batches.image_text.pack_image_text_documents`. Any other multimodal model is supported on
+    text-only batches as the parity matrix proved it: a packed forward that carries its images, and video or audio
+    for every model, raises `UnsupportedSetupError`.
     """
     from .support.architectures import require_supported
 

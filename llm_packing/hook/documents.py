@@ -91,7 +91,7 @@ class ForwardDocuments:
 
     def describes(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is this state's mask, or a view of the same elements, unmodified since."""
-        return _same_elements(self.mask, self.version, tensor)
+        return same_elements(self.mask, self.version, tensor)
 
     def derived(self, key, build: Callable[[], Any]):
         """`build()`, computed on the first call with `key` and kept for this forward: how each part of the hook
@@ -135,7 +135,7 @@ class ForwardDocuments:
         """`check(positions)` on the int64 host copy of `position_ids` (broadcast to the mask's shape), once per
         positions tensor: the builders of one forward (full, sliding, chunked) share it."""
         held = self._positions
-        if held is not None and _same_elements(held[0], held[1], position_ids):
+        if held is not None and same_elements(held[0], held[1], position_ids):
             if held[3]:
                 return
             positions = held[2]
@@ -172,6 +172,13 @@ def documents_that_prepared(mask: torch.Tensor) -> ForwardDocuments | None:
     them, else None."""
     current = _per_thread.states.get("mask")
     return current if current is not None and current.prepared(mask) else None
+
+
+def current_documents() -> ForwardDocuments | None:
+    """This thread's latest [`ForwardDocuments`] of an indexed mask (those of the forward running on this thread), for
+    parts of the hook handed another tensor than the mask, which check that what they kept on it belongs to that
+    tensor (Mllama's cross-attention mask); None if this thread has read no mask."""
+    return _per_thread.states.get("mask")
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> ForwardDocuments:
@@ -216,7 +223,9 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
 
-def _same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:
+def same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is `held` (or a view of the same elements) and unmodified since its version was `version`:
+    how per-forward state recognises the tensor it was derived from."""
     if tensor.numel() == 0:
         return False
     same = held is tensor or (

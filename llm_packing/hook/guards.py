@@ -21,10 +21,10 @@ from .masks import is_integer_mask
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
     """Add the check to `model` (idempotent; removed by `unconfigure_packing`)."""
-    registry.add_forward_pre_hook(_checked_module(model), "training batches", _refuse_batch_without_documents)
+    registry.add_forward_pre_hook(input_module(model), "training batches", _refuse_batch_without_documents)
 
 
-def _checked_module(model: torch.nn.Module) -> torch.nn.Module:
+def input_module(model: torch.nn.Module) -> torch.nn.Module:
     """The base model where it takes `position_ids`: a causal LM calls it through `__call__` with the mask and
     positions it was given, even inside PEFT's wrappers, which call the causal LM's `forward` directly. Models whose
     base takes no positions (RWKV, xLSTM, Mamba) are checked where they are called."""

@@ -1,12 +1,12 @@
-"""Multimodal checkpoints fine-tuned on text: finding the language model's support entry, and refusing media inputs
-in a packed batch.
+"""Multimodal checkpoints in packed batches: images of the image-text types the image-text parity matrix proved are
+packed with their documents (`hook.image_text`); every other model refuses media inputs in a packed batch.
 
 `AutoModelForCausalLM` builds some multimodal checkpoints as the whole wrapper (`gemma3` gives
 `Gemma3ForConditionalGeneration`, config `gemma3`) and others as the bare language model (`mllama` gives
 `MllamaForCausalLM`, whose config is the text config `mllama_text_model`). Text-only batches of both go through the
-same mask builders as any decoder, so the hook isolates them. Images, video or audio in a packed row would need
-per-document vision positions and image blocks that the hook does not build, so a packed forward carrying them is
-refused.
+same mask builders as any decoder, so the hook isolates them. Images, video or audio in a packed row of a type not
+proven with them (`llm_packing.hook.support.image_text`), or video and audio of any type, would need positions and
+masks the hook does not build, so a packed forward carrying them is refused.
 """
 
 import functools
@@ -14,9 +14,10 @@ import functools
 import torch
 
 from ..errors import UnsupportedSetupError
-from . import registry
+from . import image_text, registry
 from .documents import documents_of
 from .masks import is_integer_mask
+from .support.image_text import PROVEN_IMAGE_TEXT_TYPES
 
 
 # Forward arguments that carry media (pixel_values, pixel_values_videos, image_sizes, input_features,
@@ -35,9 +36,13 @@ def media_argument_names(model) -> tuple[str, ...]:
 
 
 def guard_media_inputs(model) -> None:
-    """Make packed forwards of `model` refuse media inputs, if its forward takes any (idempotent; removed by
-    `unconfigure_packing` through the registry)."""
+    """Prepare packed forwards of `model` for its images if its type is proven with them (`hook.image_text`), else
+    make them refuse media inputs, if its forward takes any (idempotent; removed by `unconfigure_packing` through the
+    registry)."""
     if not isinstance(model, torch.nn.Module):
+        return
+    if getattr(getattr(model, "config", None), "model_type", None) in PROVEN_IMAGE_TEXT_TYPES:
+        image_text.install(model)
         return
     names = media_argument_names(model)
     config = getattr(model, "config", None)
@@ -62,6 +67,7 @@ def _refuse_media_in_packed_batch(module, args, kwargs, *, names, token_ids):
     if given:
         raise UnsupportedSetupError(
             f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with media inputs: "
-            f"{', '.join(given)}. Packing isolates text-only documents; images, video and audio are not packed yet. "
-            "Train multimodal rows without packing, or pack only text-only rows."
+            f"{', '.join(given)}. Packing isolates its text-only documents; its images, video and audio are not "
+            "packed. Train multimodal rows without packing, or pack only text-only rows (image-text types packed "
+            "with their images: `llm_packing.hook.support.image_text.supported_image_text_model_types()`)."
         )

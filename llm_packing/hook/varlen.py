@@ -241,16 +241,13 @@ def check_route(attention_route, config) -> None:
 
 
 def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.Tensor) -> PackedAttentionMask | None:
-    """What a patched sdpa mask builder returns for a validated indexed mask: its [`PackedAttentionMask`], or `None`
-    where the dense route must build the mask (route forced dense, an architecture or an extra mask function that
-    SDPA per document cannot express)."""
+    """What a patched sdpa mask builder returns for a validated indexed mask without mask functions (those take
+    `hook.mask_functions`): its [`PackedAttentionMask`], or `None` where the dense route must build the mask (route
+    forced dense, an architecture that SDPA per document cannot express)."""
     from .support.architectures import sdpa_route
 
     config = arguments["config"]
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
-        return None
-    extra_masks = ("or_mask_function", "and_mask_function", "block_sequence_ids")
-    if any(arguments.get(name) is not None for name in extra_masks):
         return None
     if builder_name == "create_sliding_window_causal_mask":
         return packed_attention_mask(attention_mask, window=config.sliding_window)

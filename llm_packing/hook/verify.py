@@ -3,14 +3,21 @@
 `verify_packing` runs a tiny packed batch (two rows, three documents, trailing padding) and each document alone through
 the model, and compares the logits of every real token. The limit is calibrated on the model's own floating-point
 noise in its dtype, measured by one more forward that needs no isolation at all (see `verify_packing`). Cost: five
-forwards of at most 3 x 16 tokens.
+forwards of at most 3 x 16 tokens. Given the processor of an image-text model, it also packs a document with two images
+between two text documents (`hook.verify_images`). `measure_packing` is the same comparison on any layout of packed
+rows, and can compare the gradients of a per-document loss too (`llm-packing verify` runs it).
 """
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+from .image_text import causal_through_token_types
+from .verify_images import image_row_difference
 
 
 logger = logging.getLogger(__name__)
@@ -26,9 +33,44 @@ HALF_BASE_ATOL = 5e-2
 NOISE_MARGIN = 3.0
 LENGTHS = (9, 7, 11)
 COLUMNS = 16
+# `verify_packing`'s rows: [doc 1, doc 2] and [doc 3, 5 pads]. 16 columns, because compiled flex_attention on CPU
+# (torch 2.13) miscomputes some lengths such as 8 or 24 whatever the mask.
+ROWS = ((9, 7), (11,))
 
 
-def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
+@dataclass(frozen=True)
+class Comparison:
+    """
+    Packed against alone for one quantity (logits, or gradients relative to their largest entry).
+
+    Attributes: `difference` (largest absolute difference), `limit` (largest accepted), `floor` (the model's own noise:
+    the same documents followed by unrelated tokens, no packing; `None` when the limit was given), `explained` (how
+    the limit was set, in words).
+    """
+
+    difference: float
+    limit: float
+    floor: float | None
+    explained: str
+
+    @property
+    def exact(self) -> bool:
+        return self.difference <= self.limit
+
+
+@dataclass(frozen=True)
+class PackingMeasurement:
+    """What [`measure_packing`] found: the logits' [`Comparison`], and the gradients' one when asked for."""
+
+    logits: Comparison
+    gradients: Comparison | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.logits.exact and (self.gradients is None or self.gradients.exact)
+
+
+def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor=None) -> float:
     """
     Check that a packed batch gives the same logits as its documents run one by one.
 
@@ -50,6 +92,10 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
             Largest accepted absolute logit difference, used as given instead of the calibrated limit.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the random token ids.
+        processor ([`~transformers.ProcessorMixin`], *optional*):
+            The image-text model's own processor. If given, a packed row also holds a document with two images of
+            different shapes between two text documents (placeholders, pixels and grids as the processor makes
+            them), checked against the same limit; without it only text documents are checked.
 
     Returns:
         `float`: the largest absolute logit difference found.
@@ -57,7 +103,80 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
     Raises:
         `ContaminationError`: the difference exceeds the limit, i.e. documents attend across their boundaries.
 
-    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16).
+    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16);
+    with a `processor`, four more: the row with images, the image document and the two text documents alone.
+    """
+    logits = measure_packing(model, atol=atol, seed=seed).logits
+    difference = logits.difference
+    if processor is not None:
+        difference = max(difference, _image_row_difference(model, processor, seed))
+    if not difference <= logits.limit:
+        raise ContaminationError(
+            f"Packed documents differ from the same documents run alone by {difference:.3g} "
+            f"({logits.explained}) for model_type {model.config.model_type!r} on attention backend "
+            f"{getattr(model.config, '_attn_implementation', None)!r}: documents attend across boundaries. Call "
+            "`configure_packing(model)` before training on packed batches, or train unpacked."
+        )
+    return difference
+
+
+def _image_row_difference(model, processor, seed: int) -> float:
+    """`hook.verify_images`' check, with two of `verify_packing`'s text documents around the image document."""
+    device = next(model.parameters()).device
+    texts = _random_documents(model.config, LENGTHS[:2], seed, device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [_model_logits(model, **_inputs(model, text[None])) for text in texts]
+            return image_row_difference(model, processor, texts, [logits[0] for logits in alone], seed,
+                                        _model_logits)
+    finally:
+        model.train(was_training)
+
+
+def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = COLUMNS, *, gradients: bool = False,
+                    atol: float | None = None, seed: int = 0) -> PackingMeasurement:
+    """
+    Run packed rows of random documents and each document alone through `model`; compare their logits and, with
+    `gradients`, the gradients of a per-document loss. Raises nothing on a difference: see `.exact`.
+
+    The loss of a document is the mean cross-entropy of its logits against its own next tokens (its first token
+    after its last), or the mean square of a base model's hidden states; the packed side sums every document's loss
+    in one backward, the alone side sums the gradients of each document's own backward. Gradients are compared
+    relative to the largest alone gradient entry, over every parameter that requires a gradient. Both limits are
+    calibrated as in [`verify_packing`], the gradients' on the same noise-floor rows.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`]): As in [`verify_packing`].
+        rows (`Sequence[Sequence[int]]`, *optional*, defaults to `((9, 7), (11,))`):
+            Document lengths per packed row, e.g. `[[93, 1, 32, 1], [128]]`; each row's documents are followed by
+            padding up to `columns`.
+        columns (`int`, *optional*, defaults to `16`): Tokens per packed row.
+        gradients (`bool`, *optional*, defaults to `False`): Compare gradients too (three backwards more).
+        atol (`float`, *optional*): Limit for both comparisons instead of the calibrated ones.
+        seed (`int`, *optional*, defaults to `0`): Seed of the random token ids.
+
+    Returns:
+        [`PackingMeasurement`]
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from llm_packing import packing_configured
+    >>> from llm_packing.hook.verify import measure_packing
+    >>> _ = torch.manual_seed(0)
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                                      num_hidden_layers=1, num_attention_heads=2))
+    >>> with packing_configured(model):
+    ...     measured = measure_packing(model, [[5, 1, 7], [16]], 16, gradients=True)
+    >>> measured.exact, measured.logits.limit, measured.gradients.limit
+    (True, 0.0001, 0.0001)
+    >>> measure_packing(model, [[5, 1, 7], [16]], 16).exact  # unconfigured: the documents attend to each other
+    False
+
+    ```
     """
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise PackingTypeError(
@@ -66,70 +185,155 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0) -> float:
         )
     if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0):
         raise PackingValueError(f"`atol` must be a non-negative number or None (calibrated), got {atol!r}.")
+    check_integer("columns", columns, minimum=1)
+    _check_rows(rows, columns)
     parameter = next(model.parameters())
-    device = parameter.device
-    documents = _random_documents(model.config, LENGTHS, seed, device)
-    # Rows: [doc 1, doc 2] and [doc 3, 5 pads]; positions restart per document. 16 columns, because compiled
-    # flex_attention on CPU (torch 2.13) miscomputes some lengths such as 8 or 24 whatever the mask.
-    input_ids = torch.zeros(2, COLUMNS, dtype=torch.long, device=device)
-    input_ids[0] = torch.cat(documents[:2])
-    input_ids[1, :11] = documents[2]
-    attention_mask = torch.tensor([[1] * 9 + [2] * 7, [1] * 11 + [0] * 5], device=device)
-    position_ids = torch.tensor([[*range(9), *range(7)], [*range(11), *[0] * 5]], device=device)
+    if gradients and not any(p.requires_grad for p in model.parameters()):
+        raise PackingValueError(f"`gradients=True` needs parameters that require gradients; every parameter of "
+                                f"{type(model).__name__} is frozen. Unfreeze some, or pass `gradients=False`.")
+    documents = _random_documents(model.config, [n for row in rows for n in row], seed, parameter.device)
+    packed_run = _packed_run(documents, rows, columns, parameter.device)
+    alone_runs = [(document[None], None, None, {k: (0, 0)}) for k, document in enumerate(documents)]
     # Noise floor rows: each document first, the others' tokens after it, no mask: nothing can reach the document.
-    followed_ids = torch.stack([torch.cat(documents[k:] + documents[:k])[:COLUMNS] for k in range(len(documents))])
+    repeats = -(-columns // sum(map(len, documents)))  # rows of `columns` tokens even when the documents are fewer
+    followed_ids = torch.stack([torch.cat(documents[k:] + documents[:k]).repeat(repeats)[:columns]
+                                for k in range(len(documents))])
+    followed_run = (followed_ids, None, None, {k: (k, 0) for k in range(len(documents))})
 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            packed = _logits(model, input_ids, attention_mask, position_ids)
-            alone = [_logits(model, document[None])[0] for document in documents]
-            followed = _logits(model, followed_ids) if atol is None else None
+        alone, alone_gradients = _through(model, alone_runs, documents, gradients)
+        packed, packed_gradients = _through(model, [packed_run], documents, gradients)
+        followed, followed_gradients = (_through(model, [followed_run], documents, gradients) if atol is None
+                                        else (None, None))
     finally:
         model.train(was_training)
-    packed_documents = [packed[0, :9], packed[0, 9:], packed[1, :11]]
-    difference = max((p - a).abs().max().item() for p, a in zip(packed_documents, alone, strict=True))
-    if atol is None:
-        floor = max((followed[k, : len(a)] - a).abs().max().item() for k, a in enumerate(alone))
-        base = BASE_ATOL.get(parameter.dtype, HALF_BASE_ATOL)
-        limit = max(base, NOISE_MARGIN * floor)
-        explained = (f"limit {limit:.3g} = max({base:g}, {NOISE_MARGIN:g} x the noise floor {floor:.3g} of "
-                     f"{str(parameter.dtype).removeprefix('torch.')})")
-    else:
-        limit, explained = atol, f"atol {atol:g}"
-    if not difference <= limit:
-        raise ContaminationError(
-            f"Packed documents differ from the same documents run alone by {difference:.3g} ({explained}) for "
-            f"model_type {model.config.model_type!r} on attention backend "
-            f"{getattr(model.config, '_attn_implementation', None)!r}: documents attend across boundaries. Call "
-            "`configure_packing(model)` before training on packed batches, or train unpacked."
-        )
-    return difference
+    base = BASE_ATOL.get(parameter.dtype, HALF_BASE_ATOL)
+    logits = _compare("logits", packed, followed, alone, atol, base, dtype=parameter.dtype)
+    if not gradients:
+        return PackingMeasurement(logits)
+    scale = max(gradient.abs().max().item() for gradient in alone_gradients) or 1.0
+    relative = [[gradient / scale for gradient in side] if side is not None else None
+                for side in (packed_gradients, followed_gradients, alone_gradients)]
+    return PackingMeasurement(logits, _compare("gradients", *relative, atol, base, dtype=parameter.dtype))
+
+
+def _check_rows(rows, columns: int) -> None:
+    for row in rows:
+        if not row or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in row) or sum(row) > columns:
+            raise PackingValueError(
+                f"`rows` must hold, per row, positive document lengths summing to at most `columns` ({columns}), got "
+                f"row {list(row)!r}. Shorten the documents, or raise `columns`."
+            )
+
+
+def _packed_run(documents, rows, columns: int, device):
+    """The packed batch: indexed mask `[1, 1, 2, 0]` per row, positions restarting per document, pad id 0."""
+    input_ids = torch.zeros(len(rows), columns, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    position_ids = torch.zeros_like(input_ids)
+    spans, k = {}, 0
+    for r, lengths in enumerate(rows):
+        start = 0
+        for index, length in enumerate(lengths, start=1):
+            input_ids[r, start : start + length] = documents[k]
+            attention_mask[r, start : start + length] = index
+            position_ids[r, start : start + length] = torch.arange(length, device=device)
+            spans[k] = (r, start)
+            k, start = k + 1, start + length
+    return input_ids, attention_mask, position_ids, spans
+
+
+def _through(model, runs, documents, gradients: bool):
+    """Each document's logits in `runs` (forwards of `(input_ids, attention_mask, position_ids, {document: (row,
+    start)})`); with `gradients`, also the float32 sum over the forwards of the gradients of their documents'
+    losses."""
+    parameters = [p for p in model.parameters() if p.requires_grad] if gradients else []
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in parameters] if gradients else None
+    pieces = {}
+    for input_ids, attention_mask, position_ids, spans in runs:
+        with torch.set_grad_enabled(gradients):
+            output, is_logits = _forward(model, input_ids, attention_mask, position_ids)
+            run_pieces = {k: output[row, start : start + len(documents[k])] for k, (row, start) in spans.items()}
+            if total:
+                loss = sum(_document_loss(piece, documents[k], is_logits) for k, piece in run_pieces.items())
+                for sum_, gradient in zip(total, torch.autograd.grad(loss, parameters, allow_unused=True),
+                                          strict=True):
+                    if gradient is not None:
+                        sum_ += gradient
+        pieces.update({k: piece.detach() for k, piece in run_pieces.items()})
+    return [pieces[k] for k in range(len(documents))], total
+
+
+def _document_loss(output: torch.Tensor, document: torch.Tensor, is_logits: bool) -> torch.Tensor:
+    if not is_logits:
+        return output.pow(2).mean()
+    return torch.nn.functional.cross_entropy(output, document.roll(-1))
+
+
+def _compare(name: str, packed, followed, alone, atol, base, *, dtype) -> Comparison:
+    difference = max(((p - a).abs().max().item() for p, a in zip(packed, alone, strict=True)), default=0.0)
+    if atol is not None:
+        return Comparison(difference, atol, None, f"atol {atol:g}")
+    floor = max(((f - a).abs().max().item() for f, a in zip(followed, alone, strict=True)), default=0.0)
+    limit = max(base, NOISE_MARGIN * floor)
+    relative = " of the largest alone gradient" if name == "gradients" else ""
+    explained = (f"limit {limit:.3g}{relative} = max({base:g}, {NOISE_MARGIN:g} x the noise floor {floor:.3g} of "
+                 f"{str(dtype).removeprefix('torch.')})")
+    return Comparison(difference, limit, floor, explained)
 
 
 def _random_documents(config, lengths, seed, device) -> list[torch.Tensor]:
     vocab_size = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids, where special tokens (pad, bos, eos, image placeholders) usually live.
-    low, high = min(10, vocab_size - 1), vocab_size
-    return [torch.randint(low, high, (n,), generator=generator).to(device) for n in lengths]
+    # Skip the lowest ids, where special tokens (pad, bos, eos) usually live, and every token id the config names
+    # (an image placeholder in a text document would be an image without pixels).
+    low = min(10, vocab_size - 1)
+    allowed = torch.arange(low, vocab_size)
+    allowed = allowed[~torch.isin(allowed, torch.tensor(sorted(_named_token_ids(config)), dtype=torch.long))]
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=generator)].to(device) for n in lengths]
 
 
-def _logits(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """The model's logits, or a base model's (a reward model's backbone) last hidden states."""
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+def _named_token_ids(config) -> set[int]:
+    """The token ids a config (and its text config) names: `*_token_id`, `*_token_index`."""
+    named = set()
+    for part in (config, getattr(config, "text_config", None)):
+        for name, value in (vars(part) if part is not None else {}).items():
+            if name.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+                named.add(value)
+    return named
+
+
+def _inputs(model, input_ids, attention_mask=None, position_ids=None) -> dict:
+    """A text batch's inputs; PaliGemma's text is causal only through `token_type_ids`: text documents are suffix
+    (1)."""
+    token_types = {"token_type_ids": torch.ones_like(input_ids)} if causal_through_token_types(model.config) else {}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **token_types}
+
+
+def _forward(model, input_ids, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, bool]:
+    """The model's float logits (and True), or a base model's (a reward model's backbone) last hidden states."""
+    output = model(**_inputs(model, input_ids, attention_mask, position_ids), use_cache=False)
+    logits = getattr(output, "logits", None)
+    return (output.last_hidden_state if logits is None else logits).float(), logits is not None
+
+
+def _model_logits(model, **inputs) -> torch.Tensor:
+    """The model's float logits on `inputs`, or a base model's last hidden states."""
+    output = model(**inputs, use_cache=False)
     logits = getattr(output, "logits", None)
     return (output.last_hidden_state if logits is None else logits).float()
 
 
 def configure_and_verify(
-    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = ""
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = "", processor=None
 ) -> float | None:
     """
     What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
     then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
-    states), logging the outcome (`where` prefixes the line, e.g. `"[rank 0/2] "`).
+    states; with an image-text model's `processor`, a row with images too), logging the outcome (`where` prefixes the
+    line, e.g. `"[rank 0/2] "`).
 
     Returns the difference `verify_packing` measured, or `None` when `verify` is off.
     """
@@ -141,7 +345,9 @@ def configure_and_verify(
     if not verify:
         logger.info("%sisolation not verified (`verify_packing` off)", where)
         return None
-    difference = verify_packing(models[0] if checked is None else checked)
-    logger.info("%sisolation verified: packed %s equal per-document %s (max abs diff %.2g)", where, compared, compared,
-                difference)
+    model = models[0] if checked is None else checked
+    difference = verify_packing(model, processor=processor)
+    images = " (documents with images included)" if processor is not None else ""
+    logger.info("%sisolation verified%s: packed %s equal per-document %s (max abs diff %.2g)", where, images, compared,
+                compared, difference)
     return difference

@@ -35,7 +35,7 @@ def write_rows(columns, pieces, order, bin_offsets, writer, progress, *, chunk_t
         between_groups (`Callable[[], None]`, *optional*): Called before each group is read; raises to stop (e.g. a
             failed check of the input's values).
     """
-    lengths = pieces.length[order]
+    lengths = pieces.length[order].astype(np.int64)  # narrow lengths would wrap in the offsets below
     doc_start = np.concatenate([[0], np.cumsum(lengths)])
     row_start = doc_start[bin_offsets]
     starts = {name: column.row_start[pieces.source] + pieces.start for name, column in columns.items()}

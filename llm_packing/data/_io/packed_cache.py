@@ -9,12 +9,15 @@ file written with another column layout is never read as this one.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
 import logging
 import mmap
 import os
+import re
+import socket
 import tempfile
 import threading
 
@@ -85,7 +88,7 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     may be loaded and was written by this layout."""
     if not (target.load_from_cache_file and target.path):
         return None
-    paths = [target.path] if os.path.exists(target.path) else _existing_shards(target.path)
+    paths = [target.path] if os.path.exists(target.path) else existing_shards(target.path)
     if not paths:
         return None
     table = _memory_mapped(paths)
@@ -98,7 +101,7 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     return _dataset(table, split, target.fingerprint), stats
 
 
-def _existing_shards(path: str) -> list[str]:
+def existing_shards(path: str) -> list[str]:
     """Every shard of `path` if one complete set of them exists (the most recent), else []."""
     stem, extension = os.path.splitext(path)
     first = sorted(glob.glob(f"{glob.escape(stem)}_00000_of_*{extension}"), key=os.path.getmtime, reverse=True)
@@ -138,10 +141,54 @@ def _open_memory_mapped(path: str) -> datasets.table.MemoryMappedTable:
     return datasets.table.MemoryMappedTable(table, path)
 
 
+# A packed file is written under a temporary name holding the writer's host and process id, renamed once complete.
+_TEMPORARY_PREFIX = "tmp-llm_packing-"
+_TEMPORARY_NAME = re.compile(rf"{_TEMPORARY_PREFIX}(?P<host>[^/]+)-(?P<pid>\d+)-")
+
+
+def _host() -> str:
+    """This machine's name as it goes into a file name (no '-' or '/', which delimit the fields)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _local_temporary_prefix() -> str:
+    return f"{_TEMPORARY_PREFIX}{_host()}-{os.getpid()}-"
+
+
+def remove_orphaned_temporaries(directory: str) -> list[str]:
+    """
+    Remove the temporary files of packed writes whose process is gone (killed mid-write, e.g. by SIGKILL or the OOM
+    killer, which leaves no chance to clean up): a half-written file is never taken for a cache file, since only a
+    complete one is renamed to its cache name, but it would keep its disk space. Only this machine's files: on a
+    folder several machines share, another machine's process ids mean nothing here. Returns the paths removed.
+    """
+    removed, host = [], _host()
+    for name in os.listdir(directory):
+        match = _TEMPORARY_NAME.match(name)
+        if match and match["host"] == host and not _process_alive(int(match["pid"])):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class PackedWriter:
     """
     Collects the packed rows chunk by chunk: each chunk is written to `target.path` (through a temporary file, renamed
-    when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`.
+    when complete, so that an interrupted run leaves no cache file), or kept in memory without `path`. The temporary
+    name holds this process's id, unless `temporary_prefix` names it (a Ray task's: a process id means nothing on a
+    folder that several machines share, and its run removes its own temporaries).
 
     The file is the Arrow IPC stream that `pa.ipc.new_stream` would write, byte for byte, but its record batches are
     written by `_WRITER_THREADS` threads at once, each at an offset fixed in order when its chunk is handed over
@@ -159,7 +206,8 @@ class PackedWriter:
     Either way the packed rows are read from disk the first time training reads them.
     """
 
-    def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats):
+    def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats,
+                 temporary_prefix: str | None = None):
         self.target = target
         metadata = {**(schema.metadata or {}), _METADATA_KEY: json.dumps(
             {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
@@ -170,7 +218,9 @@ class PackedWriter:
         if target.path is not None:
             directory = os.path.dirname(os.path.abspath(target.path))
             os.makedirs(directory, exist_ok=True)
-            self._fd, self._temporary = tempfile.mkstemp(dir=directory, prefix="tmp-llm_packing-")
+            remove_orphaned_temporaries(directory)
+            self._fd, self._temporary = tempfile.mkstemp(
+                dir=directory, prefix=temporary_prefix or _local_temporary_prefix())
             self._direct = DirectFile.open(self._temporary)
             self._schema_message = self.schema.serialize()
             self._write_range(self._schema_message, 0)

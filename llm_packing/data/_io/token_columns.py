@@ -14,11 +14,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ...core.rows import IGNORE_INDEX, INT32_MAX, MASK_COLUMNS, invalid_tokens, length_error, token_error
+from ...core.rows import (
+    IGNORE_INDEX,
+    INT32_MAX,
+    MASK_COLUMNS,
+    invalid_tokens,
+    length_error,
+    segment_aranges,
+    token_error,
+)
 from ...errors import PackingTypeError, PackingValueError
 
 
 _CHECK_WINDOW = 1 << 24  # tokens per checked window: bounds its copy to ~128 MiB
+_LABELS_WINDOW = 1 << 22  # tokens compared at a time when deciding whether to store labels: 32 MiB of indices
 
 
 class TokenColumn:
@@ -226,3 +235,25 @@ class _Memory:
 
     def __init__(self, address: int, count: int, dtype: np.dtype):
         self.__array_interface__ = {"data": (address, True), "shape": (count,), "typestr": dtype.str, "version": 3}
+
+
+def labels_say_more(input_ids: TokenColumn, others: list[TokenColumn], pages=None) -> bool:
+    """Whether the `labels` / mask columns leave out or change a token other than a row's first: otherwise the
+    collator's labels (the ids, -100 at each document start) are the same and none are stored."""
+    for first, last in row_windows(input_ids.lengths, _LABELS_WINDOW):
+        lengths = input_ids.lengths[first:last]
+        rows = np.flatnonzero(lengths) + first
+        if not len(rows):
+            continue
+        lengths = lengths[lengths > 0]
+        ids = input_ids.take(segment_aranges(input_ids.row_start[rows], lengths))
+        differs = np.zeros(len(ids), bool)
+        for column in others:
+            values = column.take(segment_aranges(column.row_start[rows], lengths))
+            differs |= (values != ids) if column.name == "labels" else (values == 0)
+        if pages is not None:
+            pages.check()
+        differs[np.cumsum(lengths) - lengths] = False
+        if differs.any():
+            return True
+    return False

@@ -18,6 +18,7 @@ import re
 
 from ..._compat import MASK_BUILDER_NAMES
 from ...errors import UnsupportedSetupError
+from .image_text import PROVEN_IMAGE_TEXT_TYPES
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
 from .table import (
     REFUSED_BACKENDS,
@@ -188,6 +189,12 @@ def require_supported(config) -> None:
     model_type = causal_lm_model_type(config)
     reason = refusal_reason(model_type) if model_type else "the config has no `model_type`"
     backend = getattr(config, "_attn_implementation", None)
+    if reason is not None and getattr(config, "model_type", None) in PROVEN_IMAGE_TEXT_TYPES:
+        # An image-text model without a causal LM entry (llava, qwen2_5_vl, ...): the image-text matrix proved it.
+        model_type, reason = config.model_type, None
+        proven = PROVEN_IMAGE_TEXT_TYPES[model_type].backends
+        if backend is not None and backend not in proven:
+            reason = f"the image-text parity matrix proved it on {', '.join(proven)}, not on backend {backend!r}"
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
     stateful = non_attention_layer_types(config) if reason is None else []
@@ -214,6 +221,11 @@ def sdpa_route(config) -> tuple[str, str | None]:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "index_topk", None) is not None:
         return "dense", "its sparse key indexer reads the dense mask itself"
+    if getattr(text_config, "use_bidirectional_attention", None) is True:
+        return "dense", (
+            "its text attention layers are not causal (`use_bidirectional_attention`, PaliGemma's prefix-LM): only "
+            "the mask makes them causal"
+        )
     return "varlen", None
 
 

@@ -1,4 +1,5 @@
-"""docs/support_matrix.md: the support table of the installed transformers, one row per causal LM type.
+"""docs/support_matrix.md: the support table of the installed transformers, one row per causal LM type, then the
+image-text types packed with their images and those whose images are refused.
 
 Rendered from `llm_packing.hook.support.architectures` (what is supported or refused, and which backends transformers
 offers);
@@ -17,6 +18,13 @@ from .architectures import (
     backend_available,
     sdpa_route,
     supported_model_types,
+)
+from .image_text import (
+    IMAGE_BLOCKS,
+    IMAGE_TEXT_BACKENDS,
+    PROVEN_IMAGE_TEXT_TYPES,
+    refused_image_text_model_types,
+    supported_image_text_model_types,
 )
 
 
@@ -84,7 +92,51 @@ def support_matrix_markdown() -> str:
         "| layer kind | reason |", "|---|---|",
     ]
     lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + image_text_lines()) + "\n"
+
+
+def _image_text_cell(model_type: str, backend: str) -> str:
+    support = PROVEN_IMAGE_TEXT_TYPES[model_type]
+    if backend in FLASH_BACKENDS:
+        return "refused: not run with images"
+    if backend not in support.backends:
+        return "n/a"
+    if backend == "sdpa":
+        return "exact (dense for the masks with image blocks)" if support.family == IMAGE_BLOCKS else "exact (varlen)"
+    return "exact"
+
+
+def image_text_lines() -> list[str]:
+    """The image-text tables: types packed with their images (and on which backends), and the others with the reason
+    their images are refused."""
+    backends = IMAGE_TEXT_BACKENDS + FLASH_BACKENDS
+    supported = supported_image_text_model_types()
+    lines = [
+        "",
+        f"## Image-text models packed with their images ({len(supported)})",
+        "",
+        "The image-text types of transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES` "
+        "(`llm_packing.hook.support.image_text`). `exact`: packed rows of documents with 0, 1 and 2 images of "
+        "different sizes (real photos) and trailing padding give every document's logits alone within 1e-5 (float32), "
+        "run by `tests/test_image_text_parity.py` on CPU, with random layouts; each mechanism is shown necessary by "
+        "`tests/test_image_text_controls.py`. `exact (varlen)` on sdpa: both routes proven; `exact (dense for the "
+        "masks with image blocks)`: layers whose masks carry image blocks (mask functions) keep the dense mask, the "
+        "others take the varlen route. `n/a`: transformers offers no such backend. FlashAttention "
+        "cannot express bidirectional image blocks and has not run with images: packed batches with images are "
+        "refused there (text-only batches follow the table above).",
+        "",
+        "| model_type | mechanism | " + " | ".join(backends) + " |",
+        "|---|---|" + "---|" * len(backends),
+    ]
+    for model_type in supported:
+        cells = [_image_text_cell(model_type, backend) for backend in backends]
+        family = PROVEN_IMAGE_TEXT_TYPES[model_type].family
+        lines.append(f"| {model_type} | {family} | " + " | ".join(cells) + " |")
+    refused = refused_image_text_model_types()
+    lines += ["", f"## Image-text models whose images are refused ({len(refused)})", "",
+              "| model_type | reason |", "|---|---|"]
+    lines += [f"| {model_type} | {reason} |" for model_type, reason in refused.items()]
+    return lines
 
 
 if __name__ == "__main__":
