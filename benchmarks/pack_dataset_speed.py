@@ -158,14 +158,25 @@ def main() -> None:
         "",
     ]
     print("\n".join(lines), flush=True)
+    runs = run_packers(args, packers)
+    lines += result_lines(runs, source, lower_bound, args)
+    report = "\n".join(lines) + "\n"
+    print("\n".join(lines[lines.index("") + 1 :]))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(report)
+
+
+def run_packers(args, packers: list[str]) -> dict[str, list[dict]]:
+    """Each packer `args.repeats` times, interleaved, each run in a fresh process; their reports by packer."""
     runs = {name: [] for name in packers}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     for _ in range(args.repeats):
         for name in packers:
             command = [sys.executable, os.path.abspath(__file__), "--child", name, "--data", args.data,
                        "--rows", str(args.rows), "--max-length", str(args.max_length)]
             command += ["--in-memory"] if args.in_memory else []
             command += ["--num-proc", str(args.num_proc)] if args.num_proc else []
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
             result = subprocess.run(command, capture_output=True, text=True, env=env)
             if result.returncode:
                 sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -174,7 +185,12 @@ def main() -> None:
             print(f"  {name}: {run['wall']:.2f} s (CPU {run['user']:.2f} s user, {run['sys']:.2f} s sys), peak RSS"
                   f" rise {run['rss_rise'] / 2**30:.2f} GiB, anonymous "
                   f"{run['anon_rise'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    lines += [
+    return runs
+
+
+def result_lines(runs: dict[str, list[dict]], source: dict, lower_bound: int, args) -> list[str]:
+    """The results table and the notes under it."""
+    lines = [
         ("| packer | time (median) | runs | CPU user + sys (median) | tokens/s | peak RSS rise | peak anon rise "
          "| packed rows | over LB | every token kept | output | first read of the output | speed-up vs TRL |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -205,11 +221,7 @@ def main() -> None:
         pairs = [t["wall"] / o["wall"] for o, t in zip(runs["ours"], runs["trl"], strict=True)]
         lines.append(f"\n- speed-up per pair: {', '.join(f'{p:.1f}x' for p in pairs)}")
     lines.append(f"- load average at end: {_load()}")
-    report = "\n".join(lines) + "\n"
-    print("\n".join(lines[lines.index("") + 1 :]))
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(report)
+    return lines
 
 
 def _kept(run: dict, source: dict, args) -> str:

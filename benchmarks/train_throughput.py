@@ -503,6 +503,36 @@ def main() -> None:
          "mask+collate = (collator + transformers' mask builders) / step wall time; peak RSS = ru_maxrss of the "
          "configuration's largest process, (+ its rise during the steps)"),
     ]
+    results = run_configurations(args, models, has_flash, header)
+    lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    for model in models:
+        rows = {key[1:]: summarise(merge_rounds(done)) for key, done in results.items() if key[0] == model}
+        hybrid = MODELS[model][0] in mixers_table()
+        for dataset in DATASETS:
+            lines += [f"## {dataset}: {model} model\n", *table(rows, dataset, args.device),
+                      *(LEAK_NOTE if hybrid else []),
+                      ""]
+        if hybrid:
+            lines += [f"## Mixer path, {model} model (share of the step's wall time: mixer forwards; llm_packing's "
+                      "re-batching in them)\n",
+                      "| dataset | configuration | attention | mixer forwards | re-batching |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {ds} | {name} | {backend} | {r['mixer']:.1%} | {r['rebatch']:.2%} |"
+                      for (ds, name, backend), r in rows.items() if "mixer" in r] + [""]
+        lines += [f"## Targets: {model} model\n", *targets(rows, args, every=model == args.model), ""]
+        if model == args.model:
+            plot(rows, args.output + ".png", f"Training throughput: {model} model, {args.device} {args.dtype}, "
+                 f"{args.rows} x {args.max_length} tokens per step", args.device)
+    report = "\n".join(lines)
+    print(report)
+    with open(args.output + ".md", "w") as file:
+        file.write(report)
+
+
+def run_configurations(args, models: list[str], has_flash: bool, header: list[str]) -> dict:
+    """Every chosen configuration in `args.rounds` interleaved rounds, one fresh process each; their results by
+    (model, dataset, name, backend). Appends the documents' description to `header`."""
     results = {}
     with tempfile.TemporaryDirectory() as directory:
         docs_dirs = {}  # vocabulary size -> the documents folded into it (models of one vocabulary share them)
@@ -537,30 +567,7 @@ def main() -> None:
                 print(f"round {round_} / {model} / {dataset} / {name} / {backend}: "
                       f"{time.perf_counter() - started:.0f} s {json.dumps(summarise(done[-1]))}", file=sys.stderr,
                       flush=True)
-    lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    for model in models:
-        rows = {key[1:]: summarise(merge_rounds(done)) for key, done in results.items() if key[0] == model}
-        hybrid = MODELS[model][0] in mixers_table()
-        for dataset in DATASETS:
-            lines += [f"## {dataset}: {model} model\n", *table(rows, dataset, args.device),
-                      *(LEAK_NOTE if hybrid else []),
-                      ""]
-        if hybrid:
-            lines += [f"## Mixer path, {model} model (share of the step's wall time: mixer forwards; llm_packing's "
-                      "re-batching in them)\n",
-                      "| dataset | configuration | attention | mixer forwards | re-batching |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {ds} | {name} | {backend} | {r['mixer']:.1%} | {r['rebatch']:.2%} |"
-                      for (ds, name, backend), r in rows.items() if "mixer" in r] + [""]
-        lines += [f"## Targets: {model} model\n", *targets(rows, args, every=model == args.model), ""]
-        if model == args.model:
-            plot(rows, args.output + ".png", f"Training throughput: {model} model, {args.device} {args.dtype}, "
-                 f"{args.rows} x {args.max_length} tokens per step", args.device)
-    report = "\n".join(lines)
-    print(report)
-    with open(args.output + ".md", "w") as file:
-        file.write(report)
+    return results
 
 
 if __name__ == "__main__":

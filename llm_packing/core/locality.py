@@ -3,16 +3,16 @@
 The decreasing strategies of [`~llm_packing.core.binpack.pack_sequences`] make bins by shape: every document of one
 length lands in a run of neighbouring bins of the same contents, bound in input order. Gathered in that order, any
 run of rows takes its documents from all over the input, so each group that `gather.py` reads maps pages across the
-whole of a memory-mapped input: 16 GiB of page mappings for a 1.5 GiB input of 1M lognormal rows, where the bound on
-resident pages gives them back and the next group maps them again (3.3 s of a 4.0 s pack).
+whole of a memory-mapped input, where the bound on resident pages gives them back and the next group maps them
+again (benchmarks/results/pack_locality.md measures it).
 
 [`local_order`] keeps every bin's lengths and changes two free choices: the order of the rows, and which of the
 documents of one length goes to which slot of that length. Each bin shape's copies are spread evenly over the rows
 (the `k`-th of `n` copies at `(k + u) / n`, `u` in [0, 1) a fixed offset per bin, itself spread evenly), then each
 length's slots, in row order, take that length's documents in the order they lie in the input; then once more with
 the rows in the order of their documents' mean address. A length's documents are then spread over the rows as they
-are spread over the input, and a run of rows reads one stretch of it: 3.2 GiB of page mappings instead of 16 GiB,
-and the gather took 1.5 s instead of 3.3 s. Packing is as tight as before (the same bins). What changes is which
+are spread over the input, and a run of rows reads one stretch of it: about a fifth of the page mappings
+(`benchmarks/results/pack_locality.md`). Packing is as tight as before (the same bins). What changes is which
 documents share a row, which does not change what any of them is trained on (each is trained on alone): a row now
 holds documents from nearby parts of the input (as TRL's packing of 1,000 rows at a time does), and the Trainer's
 sampler shuffles the rows. With a `seed`, `pack_dataset` pairs documents at random and orders the rows at random

@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 _GATHER_CHUNK = 1 << 20  # tokens per written chunk: its buffers (~12 MiB) stay in cache, touched once
 # Tokens per group read in input order (see `gather.py`), gathered into one of two buffers: a 48th of the tokens
 # packed, from 8M to 32M (two buffers of 32 to 128 MiB of ids). Larger groups map less of the input again, but new
-# buffer memory costs a page fault per page: 1M memory-mapped rows (407M tokens) packed in 1.70 s with groups of 8M
-# tokens against 2.09 s with 32M, and 10M rows in 18.8 s with 32M against 21.4 s with 8M.
+# buffer memory costs a page fault per page: small groups win at 1M rows, large ones at 10M
+# (benchmarks/results/pack_dataset_speed_groups_8m.md, _groups_32m.md, _10m.md, _10m_groups_8m.md).
 _GROUP_TOKENS = 1 << 25
 _MIN_GROUP_TOKENS = 1 << 23
 _GROUPS = 48

@@ -107,8 +107,8 @@ class _Reader:
         if self._pages.bounds:
             # In the order the ids lie in the mapped input (an indices mapping may have shuffled the rows), each
             # slice over at most half the resident limit of it: every page read maps a whole page-cache folio (up
-            # to 2 MiB), so a slice of 1M tokens spread over 800 MiB of a 16 GiB input mapped 300-600 MiB between
-            # two checks of the 256 MiB limit.
+            # to 2 MiB), so a slice spread over a large input maps far more than its tokens between two checks of
+            # the limit.
             addresses = self._starts["input_ids"][ids]
             order = np.argsort(addresses, kind="stable")
             addresses = addresses[order]
