@@ -18,6 +18,7 @@ from ..batches.collator import DataCollatorWithPacking
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
 from ..hook.verify import configure_and_verify
+from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 
 
 # `SFTConfig()`'s own max_length: a value the user most likely never chose, so the packed rows' length replaces it.
@@ -45,6 +46,10 @@ class PackedSFTTrainer(SFTTrainer):
     `assistant_only_loss=True` (apply it when tokenizing, before packing), a `max_length` that differs between
     `pack_dataset`, the collator and the `SFTConfig` (`SFTConfig`'s default 1024 counts as unset), rows longer than
     that `max_length`, context or sequence parallelism, and a model the hook cannot isolate.
+
+    Image-text conversations in TRL's vision format (`messages` + `images`, the model's processor as
+    `processing_class`) are packed here, at `SFTConfig.max_length`, by their token counts with images expanded, and
+    collated by the processor (`assistant_only_loss` applies); see `trainers/image_text.py` and docs/images.md.
 
     Args:
         verify_packing (`bool`, *optional*, defaults to `True`):
@@ -86,6 +91,10 @@ class PackedSFTTrainer(SFTTrainer):
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, *, verify_packing: bool = True, **kwargs):
         args = _sft_config(args, model)
+        image_text = prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset)
+        if image_text is not None:
+            args, data_collator = image_text.args, image_text.data_collator
+            train_dataset, eval_dataset = image_text.train_dataset, image_text.eval_dataset
         datasets_by_name = {"train_dataset": train_dataset, **_eval_datasets(eval_dataset)}
         _check_config(args, data_collator)
         max_length = _agreed_max_length(args, data_collator, datasets_by_name)
@@ -101,18 +110,20 @@ class PackedSFTTrainer(SFTTrainer):
         try:
             if our_collator:
                 self.data_collator.pad_token_id = _pad_token_id(self._tokenizer)
+            if image_text is not None:  # TRL would prune a vision dataset to its raw columns
+                self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
             if _several_documents_per_row(datasets_by_name):
-                self._configure_model(verify_packing)
+                self._configure_model(verify_packing, processor=None if image_text is None else processing_class)
         except BaseException:
             # Trainer created the output folder; a refused setup leaves nothing behind.
             if new_output_dir and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
                 os.rmdir(args.output_dir)
             raise
 
-    def _configure_model(self, verify: bool) -> None:
+    def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        configure_and_verify(self.model, verify=verify, where=where)
+        configure_and_verify(self.model, verify=verify, where=where, processor=processor)
 
 
 def _sft_config(args, model) -> SFTConfig:
@@ -207,7 +218,7 @@ def _check_packed(name: str, dataset) -> None:
             f"`{name}` must be a datasets Dataset or IterableDataset made by pack_dataset, got "
             f"{type(dataset).__name__}."
         )
-    if "input_ids" not in columns or "seq_lengths" not in columns:
+    if ("input_ids" not in columns and "messages" not in columns) or "seq_lengths" not in columns:
         raise PackingValueError(
             f"`{name}` has columns {columns}, not packed rows (`input_ids` and `seq_lengths`). Tokenize and pack it "
             "first: `pack_dataset(tokenized, max_length)`; or train it with trl.SFTTrainer, which prepares raw data."
@@ -218,6 +229,8 @@ def _longest_row(dataset) -> int | None:
     """From the Arrow offsets of `input_ids` (no token is read); `None` for a stream, whose rows come later."""
     if not isinstance(dataset, Dataset) or len(dataset) == 0:
         return None
+    if "input_ids" not in dataset.column_names:  # image-text rows: their tokens are counted in `seq_lengths`
+        return longest_row(dataset)
     # The table behind any `select`/`shuffle` mapping: a superset of the rows, so never less than the longest.
     lengths = pc.list_value_length(dataset.data.column("input_ids"))
     return int(pc.max(lengths).as_py() or 0)
