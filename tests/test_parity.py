@@ -6,6 +6,10 @@ The packed batch (`tiny_models.packed_batch`) has two rows of 18 tokens: documen
 sliding windows / attention chunks of the tiny configs are all covered. The reference runs each document alone
 (batch 1, no padding, positions 0..n-1).
 
+Random layouts (`random_layouts.draw_layout`, seeded; a failure prints the seed and the layout) complete it: every
+supported type runs issue 25's row and 3 drawn layouts in every CI pass, 17 more in the slow suite, on eager and both
+sdpa routes, and a sample of them on flex_attention (see `test_random_layouts_equal_separate_documents`).
+
 sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/varlen.py; the test asserts that it is
 taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one
 route.
@@ -15,12 +19,22 @@ The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `
 
 import pytest
 import torch
-from tiny_models import PACKED_DOCUMENT_LENGTHS, WINDOW, packed_batch, tiny_model
+from random_layouts import (
+    BASE_SEQUENCES,
+    ISSUE_25_LAYOUT,
+    MAX_ROW_LENGTH,
+    draw_layout,
+    longest_window,
+    packed_layout_batch,
+)
+from tiny_models import PACKED_DOCUMENT_LENGTHS, WINDOW, packed_batch, tiny_config, tiny_model
 from transformers import masking_utils
 
 from llm_packing.errors import UnsupportedSetupError
-from llm_packing.hook import varlen
-from llm_packing.hook.configure import packing_configured
+from llm_packing.hook import indexers, varlen
+from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
+from llm_packing.hook.documents import SMALLEST_BUCKET
+from llm_packing.hook.indexers import INDEXERS
 from llm_packing.hook.support.architectures import (
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
@@ -140,6 +154,160 @@ def _count_calls(calls, monkeypatch, module, name, mapping=None):
             monkeypatch.setitem(mapping, key, counted)
 
 
+# Issue 25's row and 3 drawn layouts in every CI pass; 17 more drawn layouts in the slow suite (20 drawn in all).
+# flex_attention runs a sample of them, without the prefix checks of its references (its eager and sdpa twins check
+# the architecture's): past dynamo's recompile limit flex runs uncompiled on CPU, about 0.1 s of CPU a forward against
+# 0.01 s on eager or sdpa, and every layout on flex cost 4.3 more CPU-minutes per CI pass (measured on 16 types).
+RANDOM_LAYOUTS = (ISSUE_25_LAYOUT, *map(draw_layout, range(3)))
+MORE_RANDOM_LAYOUTS = tuple(map(draw_layout, range(3, 20)))
+FLEX_RANDOM_LAYOUTS = RANDOM_LAYOUTS[:2]
+MORE_FLEX_RANDOM_LAYOUTS = MORE_RANDOM_LAYOUTS[::4]
+PACKED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_random_layouts_equal_separate_documents(model_type, static_flex_compile):
+    """Every supported type on every backend and sdpa route that transformers offers and the hook does not refuse (the
+    fixed matrix above asserts those refusals): every document of issue 25's row and of 3 drawn layouts (2 of these 4
+    on flex_attention) gives the logits and per-token losses of the document run alone."""
+    _assert_layouts_exact(model_type, RANDOM_LAYOUTS, FLEX_RANDOM_LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_more_random_layouts_equal_separate_documents(model_type, static_flex_compile):
+    _assert_layouts_exact(model_type, MORE_RANDOM_LAYOUTS, MORE_FLEX_RANDOM_LAYOUTS)
+
+
+def _assert_layouts_exact(model_type, layouts, flex_layouts):
+    """One model per backend, its references computed before the hook is configured, then every layout on every route:
+    one configure in all (configuring sweeps every loaded module). flex_attention takes `flex_layouts`, and its
+    references are not checked for the prefix property (the architecture's eager and sdpa references are)."""
+    cells = []
+    for backend in MATRIX_BACKENDS:
+        if not backend_available(model_type, backend) or (model_type, backend) in REFUSED_BACKENDS:
+            continue
+        model = tiny_model(model_type, backend)
+        flex = backend == "flex_attention"
+        references = References(model, flex_layouts if flex else layouts, check_prefixes=not flex)
+        routes = ROUTES[backend] if backend != "sdpa" or sdpa_route(model.config)[0] == "varlen" else ("dense",)
+        cells += [(f"{backend}/{route}", model, route, references, flex_layouts if flex else layouts)
+                  for route in routes]
+    failures = []
+    try:
+        for cell, model, route, references, cell_layouts in cells:
+            configure_packing(model, attention_route=route)
+            failures += [f"{model_type} {cell}, {failure}"
+                         for failure in _layout_failures(model, references, cell_layouts)]
+    finally:
+        unconfigure_packing()
+    assert not failures, "packed documents differ from the same documents run alone:\n" + "\n".join(failures)
+
+
+def _layout_failures(model, references, layouts) -> list[str]:
+    """For each layout whose packed logits or per-token losses differ from its documents' references by more than
+    `TOLERANCE`: the layout, the differences and the document that differs most."""
+    failures = []
+    for layout in layouts:
+        logit_difference, loss_difference, (row, start, length) = layout_differences(model, references, layout)
+        if max(logit_difference, loss_difference) > TOLERANCE:
+            failures.append(
+                f"{layout}: differs by {logit_difference:.2e} (logits), {loss_difference:.2e} (losses), most in the "
+                f"document at row {row}, start {start}, length {length}"
+            )
+    return failures
+
+
+def layout_differences(model, references, layout) -> tuple[float, float, tuple[int, int, int]]:
+    """Max abs differences of logits and of per-token losses between `layout`'s packed batch on `model` (as
+    configured) and its documents' `references`, and the document `(row, start, length)` that differs most."""
+    batch = packed_layout_batch(layout)
+    logits = _forward(model, **{key: batch[key] for key in PACKED_INPUTS})
+    losses = _token_losses(logits, batch["labels"])
+    logit_max = loss_max = worst = 0.0
+    worst_document = (0, 0, 0)
+    for row, spans in enumerate(batch["documents"]):
+        for start, length, base in spans:
+            expected = references(base, length)
+            logit_difference = float((logits[row, start : start + length] - expected).abs().max())
+            loss_difference = 0.0
+            if length > 1:
+                expected_losses = _token_losses(expected[None], batch["labels"][row : row + 1, start : start + length])
+                loss_difference = float((losses[row, start : start + length - 1] - expected_losses[0]).abs().max())
+            logit_max, loss_max = max(logit_max, logit_difference), max(loss_max, loss_difference)
+            if max(logit_difference, loss_difference) > worst:
+                worst, worst_document = max(logit_difference, loss_difference), (row, start, length)
+    return logit_max, loss_max, worst_document
+
+
+class References:
+    """
+    The logits of every document of `layouts` run alone on `model` (batch 1, positions 0..n-1, no mask), computed
+    when built, before the hook is configured.
+
+    A document is a prefix of one of `random_layouts.BASE_SEQUENCES`. Where the model's output at a token does not
+    depend on the tokens after it, one forward of the base sequences gives every reference: the first n logits of a
+    base sequence are those of its n-token prefix alone. That property is checked on the longest document of every
+    layout, run alone (unless `check_prefixes` is False). A DeepSeek sparse key indexer (`index_topk`) does not have
+    it: its `torch.topk` ranks the whole row, masked future keys included, and which of several tied keys it keeps
+    depends on the row's length. For those models every distinct document runs alone.
+    """
+
+    def __init__(self, model, layouts, check_prefixes: bool = True):
+        self.model = model
+        self.alone = {}
+        self.prefixes = None
+        text_config = model.config.get_text_config()
+        if getattr(text_config, "index_topk", None) is None:
+            positions = torch.arange(MAX_ROW_LENGTH).expand(len(BASE_SEQUENCES), -1)
+            self.prefixes = _forward(model, input_ids=BASE_SEQUENCES, position_ids=positions)
+        for layout in layouts:
+            documents = [document for spans in packed_layout_batch(layout)["documents"] for document in spans]
+            for _, length, base in documents:
+                self(base, length)
+            if check_prefixes:
+                _, length, base = max(documents, key=lambda document: document[1])
+                self._check_prefix(base, length)
+
+    def __call__(self, base: int, length: int) -> torch.Tensor:
+        if self.prefixes is not None:
+            return self.prefixes[base, :length]
+        return self._alone(base, length)
+
+    def _alone(self, base: int, length: int) -> torch.Tensor:
+        if (base, length) not in self.alone:
+            input_ids, positions = BASE_SEQUENCES[base : base + 1, :length], torch.arange(length)[None]
+            self.alone[base, length] = _forward(self.model, input_ids=input_ids, position_ids=positions)[0]
+        return self.alone[base, length]
+
+    def _check_prefix(self, base: int, length: int) -> None:
+        if self.prefixes is None:
+            return
+        difference = float((self._alone(base, length) - self.prefixes[base, :length]).abs().max())
+        assert difference <= TOLERANCE, (
+            f"{self.model.config.model_type}: the first {length} logits of base sequence {base} differ from its "
+            f"{length}-token prefix run alone by {difference:.2e}: the model's outputs depend on later tokens or on "
+            "the row's length, so prefixes cannot be its references. Run its documents alone, as for `index_topk`."
+        )
+
+
+def test_random_layouts_cross_every_window_and_hold_every_kind_of_row():
+    """In each suite's drawn layouts: a document longer than every window of every supported tiny config and than
+    the bucket boundary in every layout, rows of different fill in every layout, and somewhere one-token documents, a
+    row filled by one document, a row of many tiny documents and trailing padding."""
+    windows = {model_type: longest_window(tiny_config(model_type)) for model_type in supported_model_types()}
+    for layouts in (RANDOM_LAYOUTS[1:], MORE_RANDOM_LAYOUTS):
+        for layout in layouts:
+            assert max(max(row) for row in layout.rows) > max(SMALLEST_BUCKET, *windows.values()), str(layout)
+            fills = [sum(row) for row in layout.rows]
+            assert len(set(fills)) == len(fills), str(layout)
+        rows = [(layout.row_length, row) for layout in layouts for row in layout.rows]
+        assert any(1 in row for _, row in rows)
+        assert any(row == (row_length,) for row_length, row in rows)
+        assert any(len(row) >= 8 and max(row) <= 3 for _, row in rows)
+        assert any(sum(row) < row_length for row_length, row in rows)
+
+
 def test_model_loss_equals_mean_of_separate_document_losses():
     """The model's own mean loss over the packed batch equals the token mean over documents run alone: document
     starts are not targets of the previous document."""
@@ -256,15 +424,36 @@ def test_sliding_window_is_crossed(model_type):
     assert (_forward(model, input_ids=input_ids) - _forward(unwindowed, input_ids=input_ids)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "hy_v4"])
+@pytest.mark.parametrize("model_type", sorted(INDEXERS))
 def test_sparse_key_indexer_is_selective(model_type):
     """The tiny sparse-attention configs keep 3 keys per query, fewer than the longer documents have, so a document
-    mask the indexer ignored would show in the matrix: keeping every key changes the logits."""
+    mask the indexer ignored, or a tied key it kept by the packed row, would show in the matrix: keeping every key
+    changes the logits."""
     model = tiny_model(model_type, "eager")
-    assert model.config.index_topk == 3
-    every_key = tiny_model(model_type, "eager", index_topk=64)
+    assert model.config.get_text_config().index_topk == 3
+    every_key_topk = {"index_topk": 64}
+    config = tiny_config(model_type)
+    if config.get_text_config() is not config:  # a multimodal config: the indexer is its text model's
+        every_key_topk = {"text_config": every_key_topk}
+    every_key = tiny_model(model_type, "eager", **every_key_topk)
+    assert every_key.config.get_text_config().index_topk == 64
     input_ids = packed_batch()["input_ids"][1:, :9]
     assert (_forward(model, input_ids=input_ids) - _forward(every_key, input_ids=input_ids)).abs().max() > 1e-3
+
+
+def test_random_layouts_catch_an_indexer_that_ranks_the_packed_row(monkeypatch):
+    """Negative control for the random layouts: deepseek_v32's indexer left as transformers has it (ranking the whole
+    packed row, where tied keys fall otherwise than alone) fails the layouts of every CI pass, while the fixed layout
+    passes it."""
+    monkeypatch.setattr(indexers, "patch_indexers", lambda model_type: None)
+    model = tiny_model("deepseek_v32", "eager")
+    references = References(model, RANDOM_LAYOUTS)
+    batch = packed_batch()
+    with packing_configured(model):
+        failures = _layout_failures(model, references, RANDOM_LAYOUTS)
+        fixed_layout_differences = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert failures
+    assert max(fixed_layout_differences) <= TOLERANCE
 
 
 def test_qsa_key_indexer_is_selective():

@@ -5,8 +5,9 @@ gives when run alone, on every route the hook has.
 Each case runs three different packed batches (other document layouts, other tokens) on three threads at once, each
 thread many times over, the threads released together at every round so that their forwards interleave; each output
 must equal the batch's single-threaded output. State that one forward keeps for its layers (the document layout, the
-unpad data, the varlen buckets, the mixers' document batches, the mask a recurrent model records) must belong to that
-forward: with it kept process-wide, gemma3_text on sdpa differed by up to 1.1 (issue 25).
+unpad data, the varlen buckets, the mixers' document batches, the mask a recurrent model records, the dense masks by
+which the sparse key indexers find their documents) must belong to that forward: with it kept process-wide,
+gemma3_text on sdpa differed by up to 1.1 (issue 25).
 """
 
 import copy
@@ -34,7 +35,8 @@ LAYOUTS = (
 )
 # (model_type, backend, attention_route): a plain model, sliding windows (gemma3_text alternates sliding and full
 # layers), hybrids (qwen3_5_text's gated delta nets read the mask; RWKV's blocks read the mask their model was called
-# with) and ALiBi (bloom) on each route they take, one model shared by the threads.
+# with), ALiBi (bloom) and a sparse key indexer (deepseek_v32's reads the documents its forward's builders recorded)
+# on each route they take, one model shared by the threads.
 CASES = [
     ("llama", "sdpa", "varlen"),
     ("llama", "sdpa", "dense"),
@@ -46,6 +48,8 @@ CASES = [
     ("qwen3_5_text", "eager", "auto"),
     ("rwkv", "eager", "auto"),
     ("bloom", "eager", "auto"),
+    ("deepseek_v32", "sdpa", "dense"),
+    ("deepseek_v32", "eager", "auto"),
 ]
 FLASH_CASES = [(model_type, "flash_attention_2") for model_type in ("llama", "gemma3_text", "qwen3_5_text")]
 

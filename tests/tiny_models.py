@@ -175,6 +175,8 @@ ARCH_OVERRIDES: dict[str, dict] = {
     },
     # ZAYA's router picks one expert per token (its config refuses more), plus a skip expert.
     "zaya": {"num_experts_per_tok": 1},
+    # xLSTM runs its matrix memory over chunks of 64 tokens by default, longer than any packed row here.
+    "xlstm": {"chunk_size": WINDOW},
     # Griffin: a recurrent block, then local attention over WINDOW tokens (both default to 2048-token scales).
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW},
     # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
@@ -195,9 +197,10 @@ def tiny_config(model_type: str, **overrides):
     """The tiny config of `model_type`: the generic shrink (of nested text/vision/... configs too), then
     `ARCH_OVERRIDES[model_type]`, then `overrides`; a dict given for a nested config updates that config's fields."""
     values = _shrunk_fields(AutoConfig.for_model(model_type))
-    for name, value in {**ARCH_OVERRIDES.get(model_type, {}), **overrides}.items():
-        nested = isinstance(value, dict) and isinstance(values.get(name), dict)
-        values[name] = {**values[name], **value} if nested else value
+    for fields in (ARCH_OVERRIDES.get(model_type, {}), overrides):
+        for name, value in fields.items():
+            nested = isinstance(value, dict) and isinstance(values.get(name), dict)
+            values[name] = {**values[name], **value} if nested else value
     return AutoConfig.for_model(model_type, **values)
 
 

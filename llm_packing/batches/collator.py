@@ -62,6 +62,16 @@ class DataCollatorWithPacking(DataCollatorMixin):
             emitted while `configure_packing` is not applied. Turn off only if you apply the hook some other way.
         return_tensors (`str`, *optional*, defaults to `"pt"`):
             Only `"pt"` is supported.
+        processor (`ProcessorMixin`, *optional*):
+            For image-text rows (`pack_dataset(..., processor=processor)`, or one TRL `messages` + `images`
+            conversation per row): each document is tokenized and its images processed by this processor, as TRL's
+            vision collator does, then laid out packed (see `packed_conversations.py`). `pad_token_id` pads the
+            `input_ids`; labels are -100 on image placeholder tokens too.
+        chat_template (`str`, *optional*):
+            With `processor`: a chat template other than the processor's.
+        assistant_only_loss (`bool`, *optional*, defaults to `False`):
+            With `processor`: labels -100 outside the assistant turns (the chat template's `{% generation %}`
+            blocks), as TRL's `assistant_only_loss`.
 
     Example:
     ```python
@@ -92,6 +102,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
     return_flash_attn_kwargs: bool = False
     check_model_configured: bool = True
     return_tensors: str = "pt"
+    processor: Any = None
+    chat_template: str | None = None
+    assistant_only_loss: bool = False
 
     def __post_init__(self):
         check_integer("pad_token_id", self.pad_token_id, minimum=0, meaning="padding is embedded like any token",
@@ -104,8 +117,15 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 f"`return_tensors` must be 'pt', got {self.return_tensors!r}: packed batches are built as torch "
                 "tensors only."
             )
+        if self.processor is not None and (self.padding_free or self.return_flash_attn_kwargs):
+            raise PackingValueError(
+                "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "
+                "are laid out with an indexed `attention_mask`. Leave both off."
+            )
 
     def torch_call(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.processor is not None:
+            return self._image_text_call(features)
         rows = self._rows(features)
         doc_lengths = np.concatenate([lengths for _, _, lengths in rows])
         docs_per_row = np.array([len(lengths) for _, _, lengths in rows])
@@ -138,6 +158,16 @@ class DataCollatorWithPacking(DataCollatorMixin):
             cu_seq_lens = torch.from_numpy(np.concatenate([[0], np.cumsum(segments)]).astype(np.int32))
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu_seq_lens
             batch["max_length_q"] = batch["max_length_k"] = int(segments.max())
+        return batch
+
+    def _image_text_call(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        from .packed_conversations import collate_conversations
+
+        batch, documents_per_row = collate_conversations(
+            features, self.processor, chat_template=self.chat_template, assistant_only_loss=self.assistant_only_loss,
+            pad_to_multiple_of=self.pad_to_multiple_of, max_length=self.max_length, pad_token_id=self.pad_token_id)
+        if self.check_model_configured and documents_per_row > 1:
+            self._check_model_configured()
         return batch
 
     def _rows(self, features: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from ..core.checks import check_integer
 from ..core.rows import IGNORE_INDEX, ignore_masked
 from ..demo.chitchat import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
+from ..demo.photos import DEMO_IMAGE_TEXT_DATASET_NAME, load_photo_conversations
 from ..demo.pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 from ..errors import PackingValueError
 
@@ -57,13 +58,16 @@ def check_dataset_name(name: str) -> None:
 def load_documents(name: str, *, config: str | None = None, split: str = "train",
                    max_samples: int | None = None) -> datasets.Dataset:
     """
-    One split of a dataset: `"chitchat"` (the built-in demo conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
+    One split of a dataset: `"chitchat"` (the built-in demo conversations), `"photos"` (the built-in image-text
+    conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
     file, or a hub dataset / dataset folder. `max_samples` keeps the first that many examples.
     """
     check_integer("max_samples", max_samples, optional=True)
     check_dataset_name(name)
     if name == DEMO_DATASET_NAME:
         dataset = load_chitchat_dataset(max_samples)
+    elif name == DEMO_IMAGE_TEXT_DATASET_NAME:
+        dataset = load_photo_conversations(max_samples)
     elif os.path.isfile(name):
         extension = os.path.splitext(name)[1].lstrip(".")
         builder = LOCAL_FILE_BUILDERS.get(extension)

@@ -76,6 +76,10 @@ class ScriptArguments:
         tokenizer_name_or_path (`str`, *optional*):
             Tokenizer to load; defaults to `model_name_or_path`. `"demo"` is Mistral-7B's tokenizer with an `[INST]`
             chat template, read from the `mistral-common` package.
+        processor_name_or_path (`str`, *optional*):
+            The processor of an image-text model (a hub id or local path, or `"demo-qwen2.5-vl"`, the built-in tiny
+            Qwen2.5-VL one): trains TRL's vision format (`messages` + `images`), packed by the processor's token
+            counts (see [`~llm_packing.cli.train_image_text.train_image_text`]).
         model_config (`dict` or `str`, *optional*):
             Build a randomly initialised model from this config (a mapping, or JSON on the command line) instead of
             loading `model_name_or_path`: `model_type` (default `"llama"`) and that config class's keys;
@@ -101,6 +105,11 @@ class ScriptArguments:
     model_config: dict | str | None = field(
         default=None,
         metadata={"help": "Config of a randomly initialised model (mapping in YAML, JSON on the command line)."},
+    )
+    processor_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Processor of an image-text model (TRL's messages + images data); 'demo-qwen2.5-vl' is the "
+                          "built-in tiny Qwen2.5-VL one. Turns on image-text training."},
     )
     sample_prompt: str | None = field(
         default=None, metadata={"help": "Log the model's greedy reply to this prompt before and after training."},
@@ -309,6 +318,10 @@ def pack_documents(documents, training_args, packing_args, max_docs_per_bin):
 
 def train(script_args, training_args, model_args, packing_args):
     """Train as configured by the four dataclasses of [`parse_args`]; returns the `TrainOutput`."""
+    if script_args.processor_name_or_path is not None:
+        from .train_image_text import train_image_text
+
+        return train_image_text(script_args, training_args, model_args, packing_args)
     setup_logging(training_args)
     set_seed(training_args.seed)  # a randomly initialised model is the same on every rank and every run
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or model_args.model_name_or_path,

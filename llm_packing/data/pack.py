@@ -28,6 +28,7 @@ from ._io.packed_cache import Destination, PackedWriter, destination, load_cache
 from ._io.resident_pages import ResidentPages
 from ._io.token_columns import TokenColumn, ValueChecks, labels_say_more
 from .metadata import record_packing
+from .pack_image_text import is_image_text, pack_image_text_split
 
 
 __all__ = ["PackedDatasetEpochs", "pack_dataset"]
@@ -60,6 +61,8 @@ def pack_dataset(
     buffer_size: int = 10_000,
     num_proc: int | None = None,
     return_stats: bool = False,
+    processor=None,
+    chat_template: str | None = None,
 ):
     """
     Pack a tokenized dataset into rows of at most `max_length` tokens, each document kept whole and separate.
@@ -115,6 +118,19 @@ def pack_dataset(
         return_stats (`bool`, *optional*, defaults to `False`):
             Also return the [`~llm_packing.core.stats.PackingStats`] (a `dict` of them, by split, for a `DatasetDict`).
             The stats are logged on the `llm_packing` logger either way.
+        processor (`ProcessorMixin`, *optional*):
+            Required for image-text conversations (TRL's vision format: `messages` with `images` or `image`): the
+            processor training will use. Each conversation is packed by its true token count, its image placeholders
+            expanded as this processor expands them, planned from the text and each image's file header without
+            decoding pixels; tokenizing and pixel processing happen in the collator (see `pack_image_text.py`).
+        chat_template (`str`, *optional*):
+            Image-text only: a chat template other than the processor's.
+
+    Image-text conversations come out as rows of `messages` (the row's conversations), `images` (each one's images,
+    as the dataset holds them: never decoded here), `seq_lengths`, `seq_starts` (where each document starts in its
+    conversation: 0 unless `overflow` cut it) and `conversation_lengths` (the planned tokens of each whole
+    conversation). `overflow` never cuts inside an image's tokens: see `pack_image_text.py`. Streaming image-text
+    datasets are not supported.
 
     Returns:
         The packed dataset (same container type), or `(packed, stats)` with `return_stats=True`. Columns, all
@@ -140,6 +156,11 @@ def pack_dataset(
     check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
     options = {"strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        if any(is_image_text(ds) for ds in (dataset.values() if isinstance(dataset, dict) else [dataset])):
+            raise PackingValueError(
+                "Streaming image-text datasets are not packed yet: their token counts are planned over the whole "
+                "split. Load the dataset map-style (`streaming=False`), or pack a map-style part of it."
+            )
         if return_stats:
             raise PackingValueError(
                 "`return_stats=True` needs a map-style dataset, got a streaming one: its stats are only known once it "
@@ -154,6 +175,7 @@ def pack_dataset(
             ), max_length)
         return record_packing(pack_iterable_dataset(dataset, max_length, **options), max_length)
     options["return_position_ids"] = return_position_ids
+    image_text = {"processor": processor, "chat_template": chat_template}
     storage = {"keep_in_memory": keep_in_memory, "cache_file_name": cache_file_name,
                    "load_from_cache_file": load_from_cache_file}
     if isinstance(dataset, datasets.DatasetDict):
@@ -166,13 +188,15 @@ def pack_dataset(
         packed = {}
         for split, ds in dataset.items():
             try:
-                packed[split] = _pack_split(ds, max_length, overflow, options, storage, num_proc=num_proc)
+                packed[split] = _pack_split(ds, max_length, overflow, options, storage, num_proc=num_proc,
+                                            image_text=image_text)
             except PackingError as error:  # same type, so `except SequenceTooLongError` still works
                 raise type(error)(f"Split {split!r}: {error}") from error
         result = datasets.DatasetDict({split: ds for split, (ds, _) in packed.items()})
         stats = {split: split_stats for split, (_, split_stats) in packed.items()}
     elif isinstance(dataset, datasets.Dataset):
-        result, stats = _pack_split(dataset, max_length, overflow, options, storage, num_proc=num_proc)
+        result, stats = _pack_split(dataset, max_length, overflow, options, storage, num_proc=num_proc,
+                                    image_text=image_text)
     else:
         raise PackingTypeError(
             f"`dataset` must be a datasets Dataset, DatasetDict, IterableDataset or IterableDatasetDict, got "
@@ -181,15 +205,19 @@ def pack_dataset(
     return (result, stats) if return_stats else result
 
 
-def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None):
+def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None, image_text=None):
     """One split packed (or loaded from the cache), formatted like its input; `documents` if already read."""
-    target = destination(dataset, dict(max_length=max_length, overflow=overflow, **options), **storage)
-    cached = load_cached(target, dataset.split)
-    if cached is None:
-        documents = documents or _Documents(dataset, max_length, overflow)
-        packed, stats = documents.pack(target, dataset.split, num_proc=num_proc, **options)
+    if is_image_text(dataset):
+        packed, stats = pack_image_text_split(dataset, max_length, overflow, options, storage, num_proc=num_proc,
+                                              **(image_text or {}))
     else:
-        packed, stats = cached
+        target = destination(dataset, dict(max_length=max_length, overflow=overflow, **options), **storage)
+        cached = load_cached(target, dataset.split)
+        if cached is None:
+            documents = documents or _Documents(dataset, max_length, overflow)
+            packed, stats = documents.pack(target, dataset.split, num_proc=num_proc, **options)
+        else:
+            packed, stats = cached
     split = dataset.split
     logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
     return record_packing(packed.with_format(dataset.format["type"]), max_length), stats
@@ -242,6 +270,11 @@ class PackedDatasetEpochs:
         check_overflow_policy(overflow)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+        if is_image_text(dataset):
+            raise PackingValueError(
+                "PackedDatasetEpochs packs tokenized text; image-text conversations are not repacked per epoch yet. "
+                "Call `pack_dataset(dataset, max_length, processor=processor, seed=epoch)` for each epoch instead."
+            )
         self._dataset, self._max_length, self._overflow = dataset, max_length, overflow
         self._documents = _Documents(dataset, max_length, overflow)
         self._options = {"strategy": strategy, "max_docs_per_bin": max_docs_per_bin,

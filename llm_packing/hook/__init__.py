@@ -5,6 +5,7 @@ every backend, and `unconfigure_packing()` undoes it.
 - `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
 - `varlen`: sdpa's per-document route without an `L x L` mask;
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
+- `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
 - `multimodal`: media inputs in packed batches: images of the proven image-text types prepared by `image_text`
   (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, Mllama's

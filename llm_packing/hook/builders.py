@@ -80,7 +80,9 @@ def _wrap_builder(original):
 
 
 def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
-    """What the builder `original` returns for a validated indexed mask, on the route of the model's backend."""
+    """What the builder `original` returns for a validated indexed mask, on the route of the model's backend. A dense
+    mask transformers' own builder returns (eager, sdpa) is recorded with the forward's documents, for the sparse key
+    indexers that read it (`hook.indexers`)."""
     arguments = bound.arguments
     backend = config._attn_implementation
     route = mask_route(backend, config)
@@ -94,11 +96,13 @@ def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
         _warn_if_dense_mask_is_large(attention_mask, arguments["inputs_embeds"].dtype, backend)
     if mask_functions.carries_mask_functions(arguments):
         return _mark_prepared(mask_functions.build_with_mask_functions(original, bound, attention_mask))
+    documents = documents_of(attention_mask)
     arguments["attention_mask"] = None
-    arguments["position_ids"] = documents_of(attention_mask).derived(
-        "position_ids", lambda: document_position_ids(attention_mask)
-    )
-    return _mark_prepared(original(*bound.args, **bound.kwargs))
+    arguments["position_ids"] = documents.derived("position_ids", lambda: document_position_ids(attention_mask))
+    mask = original(*bound.args, **bound.kwargs)
+    if isinstance(mask, torch.Tensor):
+        documents.add_prepared_mask(mask)
+    return _mark_prepared(mask)
 
 
 def _refuse_prepared_mask_in_training(attention_mask) -> None:

@@ -3,8 +3,9 @@ attention on every backend, and `unconfigure_packing()`, which undoes it.
 
 Configuring checks the architecture and backend (`hook.support`), then replaces, through the one registry
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
-(`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), ALiBi builders
-(`hook.alibi`), and adds the model's guards (`hook.guards`, `hook.multimodal`). Nothing is patched at import time.
+(`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), the sparse key
+indexers (`hook.indexers`), ALiBi builders (`hook.alibi`), and adds the model's guards (`hook.guards`,
+`hook.multimodal`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -18,7 +19,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import alibi, builders, guards, mixers, multimodal, registry, varlen
+from . import alibi, builders, guards, indexers, mixers, multimodal, registry, varlen
 from .support.model_types import causal_lm_model_type
 
 
@@ -86,6 +87,7 @@ def configure_packing(
         require_supported(config)
         if isinstance(model_or_config, torch.nn.Module):
             mixers.check_mixers_covered(model_or_config)
+            indexers.check_indexers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             builders.mask_route(backend, config)
@@ -102,6 +104,7 @@ def configure_packing(
         guards.refuse_batches_without_documents(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
+    indexers.patch_indexers(config.model_type)
     alibi.patch_alibi(config.model_type)
     return model_or_config
 
@@ -151,10 +154,12 @@ def _patch_builders() -> None:
     module), and in the layer-pattern mapping."""
     from transformers import masking_utils
 
+    replacements = {}
     for name, module_name in _PATCH_TARGETS.items():
         current = getattr(importlib.import_module(module_name), name)
         if not registry.is_ours(current):
-            registry.replace_everywhere(current, builders.wrap(name, current))
+            replacements[current] = builders.wrap(name, current)
+    registry.replace_everywhere(replacements)
     mapping = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
     for key, value in list(mapping.items()):
         replacement = _replace_builder_in(value)

@@ -6,6 +6,9 @@ first of them to see the mask calls [`documents_of`], which copies it to the hos
 sync), checks the document ids once, and keeps a [`ForwardDocuments`] for the others; what each reader derives from
 it (unpad data, attention buckets, mixer batches) is built once and kept on it too.
 
+The mask builders also record the dense masks they make from a forward's documents (weakly), so that a reader of a
+prepared mask (the sparse key indexers, `hook.indexers`) finds the documents it isolates without another host copy.
+
 The state is per thread: `nn.DataParallel` (and so `Trainer` on a machine with several GPUs and no launcher) runs a
 replica's forward on each of several threads at once, each with its own mask. A thread finds its own forward's state
 by the mask tensor itself: the same elements (the tensor, or a view of its storage such as the
@@ -13,6 +16,7 @@ by the mask tensor itself: the same elements (the tensor, or a view of its stora
 """
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +119,18 @@ class ForwardDocuments:
 
         return self.derived("spans", spans)
 
+    def add_prepared_mask(self, mask: torch.Tensor) -> None:
+        """Record `mask`, which a builder made from these documents. Weakly: an `L x L` mask must not outlive its
+        forward for this state's sake (and while it lives, no other tensor can take its memory)."""
+        root = _root(mask)
+        self.derived("prepared masks", list).append((weakref.ref(root), root._version))
+
+    def prepared(self, mask: torch.Tensor) -> bool:
+        """Whether `mask` is a recorded mask or a view of one (the `[:, 0]` slice a layer takes), unmodified since."""
+        root = _root(mask)
+        return any(held() is root and root._version == version for held, version in self._derived.get(
+            "prepared masks", ()))
+
     def check_positions(self, position_ids: torch.Tensor, check: Callable[[np.ndarray], None]) -> None:
         """`check(positions)` on the int64 host copy of `position_ids` (broadcast to the mask's shape), once per
         positions tensor: the builders of one forward (full, sliding, chunked) share it."""
@@ -149,6 +165,13 @@ def documents_of(attention_mask: torch.Tensor, position_ids: torch.Tensor | None
     Raises [`~llm_packing.errors.PackingValueError`] for malformed document ids (see `masks.validate_document_ids`).
     """
     return _documents(attention_mask, position_ids, "mask")
+
+
+def documents_that_prepared(mask: torch.Tensor) -> ForwardDocuments | None:
+    """The documents of this thread's current forward if its mask builders made `mask` (or the tensor it views) from
+    them, else None."""
+    current = _per_thread.states.get("mask")
+    return current if current is not None and current.prepared(mask) else None
 
 
 def current_documents() -> ForwardDocuments | None:
@@ -193,6 +216,11 @@ def _documents(attention_mask, position_ids, kind) -> ForwardDocuments:
 def _to_host(tensor: torch.Tensor) -> np.ndarray:
     """The device-to-host copy of a forward (`tests/test_varlen.py` counts these)."""
     return tensor.cpu().numpy()
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that `tensor` views (itself if it is no view)."""
+    return tensor if tensor._base is None else tensor._base
 
 
 def same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:

@@ -60,11 +60,15 @@ def replace_item(mapping: MutableMapping, key, replacement) -> None:
     mapping[key] = replacement
 
 
-def replace_everywhere(original: Callable, replacement: Callable) -> None:
-    """Bind `replacement` wherever a module holds `original` by name, now and, at [`restore_all`], in modules imported
-    since (they import the patched source module's attribute: our replacement)."""
-    _swept[id(original)] = (original, replacement)
-    _sweep({id(original): replacement})
+def replace_everywhere(replacements: dict[Callable, Callable]) -> None:
+    """Bind each replacement wherever a module holds its original by name, now and, at [`restore_all`], in modules
+    imported since (they import the patched source module's attribute: our replacement). One sweep of every loaded
+    module for all of them: a sweep costs about 0.1 s with every modeling module of transformers loaded."""
+    if not replacements:
+        return
+    for original, replacement in replacements.items():
+        _swept[id(original)] = (original, replacement)
+    _sweep({id(original): replacement for original, replacement in replacements.items()})
 
 
 def replacement_for(original: Callable):

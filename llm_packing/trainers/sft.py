@@ -23,6 +23,7 @@ from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
 from ..hook.verify import configure_and_verify
+from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 from .sft_data import check_format, column_names, is_packed, pack_documents
 
 
@@ -60,13 +61,18 @@ class PackedSFTTrainer(SFTTrainer):
     `skip_prepare_dataset` with a dataset that is not packed, context or sequence parallelism, and a model the hook
     cannot isolate.
 
+    Image-text conversations in TRL's vision format (`messages` + `images`, the model's processor as
+    `processing_class`) are packed here, at `SFTConfig.max_length`, by their token counts with images expanded, and
+    collated by the processor (`assistant_only_loss` applies); see `trainers/image_text.py` and docs/images.md.
+
     Args:
-        overflow (`str`, *optional*, defaults to `"truncate"`):
+        overflow (`str`, *optional*, defaults to `"truncate"`, `"error"` for image-text conversations):
             Documents longer than `max_length`, in the datasets this trainer packs: `"truncate"` cuts them as
             `trl.SFTTrainer` does (by `SFTConfig.truncation_mode`, dropping examples left without a trained token), so
             the same tokens are trained on; `"split"` keeps every token, cutting them into `max_length` pieces trained
             as separate documents; `"drop"` leaves them out; `"error"` refuses them. Whatever is cut is logged as a
-            warning and counted in `packing_stats`.
+            warning and counted in `packing_stats`. An image-text conversation is never cut inside its images
+            (docs/images.md): by default one too long is refused.
         max_docs_per_bin (`int`, *optional*):
             Cap on documents per packed row (bounds FlashAttention's `cu_seqlens`).
         verify_packing (`bool`, *optional*, defaults to `True`):
@@ -111,18 +117,24 @@ class PackedSFTTrainer(SFTTrainer):
     """
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, *, overflow: str = "truncate", max_docs_per_bin: int | None = None,
+                 processing_class=None, *, overflow: str | None = None, max_docs_per_bin: int | None = None,
                  verify_packing: bool = True, **kwargs):
-        check_overflow_policy(overflow)
+        if overflow is not None:
+            check_overflow_policy(overflow)
         check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="documents per packed row")
         args = _sft_config(args, model)
+        image_text = prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset,
+                                        overflow=overflow or "error")
+        if image_text is not None:
+            args, data_collator = image_text.args, image_text.data_collator
+            train_dataset, eval_dataset = image_text.train_dataset, image_text.eval_dataset
         datasets_by_name = {"train_dataset": train_dataset, **_eval_datasets(eval_dataset)}
         _check_datasets(args, data_collator, datasets_by_name, kwargs.get("formatting_func"))
         max_length = _agreed_max_length(args, data_collator, datasets_by_name)
         # TRL mutates its config; keep the caller's untouched, as it may go on to build another trainer.
         args = copy.copy(args)
         args.max_length = max_length
-        self._packing_options = {"overflow": overflow, "max_docs_per_bin": max_docs_per_bin}
+        self._packing_options = {"overflow": overflow or "truncate", "max_docs_per_bin": max_docs_per_bin}
         self.packing_stats = {}
         our_collator = data_collator is None
         if our_collator:
@@ -132,9 +144,11 @@ class PackedSFTTrainer(SFTTrainer):
         try:
             if our_collator:
                 self.data_collator.pad_token_id = _pad_token_id(self._tokenizer)
+            if image_text is not None:  # TRL would prune a vision dataset to its raw columns
+                self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
             if _several_documents_per_row([self.train_dataset, *_eval_datasets(self.eval_dataset).values()]):
-                self._configure_model(verify_packing)
+                self._configure_model(verify_packing, processor=None if image_text is None else processing_class)
         except BaseException:
             # Trainer created the output folder; a refused setup leaves nothing behind.
             if new_output_dir and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
@@ -163,9 +177,9 @@ class PackedSFTTrainer(SFTTrainer):
             self.packing_stats[dataset_name] = stats
         return packed
 
-    def _configure_model(self, verify: bool) -> None:
+    def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        configure_and_verify(self.model, verify=verify, where=where)
+        configure_and_verify(self.model, verify=verify, where=where, processor=processor)
 
 
 def _sft_config(args, model) -> SFTConfig:
@@ -276,6 +290,8 @@ def _longest_row(dataset) -> int | None:
     """From the Arrow offsets of `input_ids` (no token is read); `None` for a stream, whose rows come later."""
     if not isinstance(dataset, Dataset) or len(dataset) == 0:
         return None
+    if "input_ids" not in dataset.column_names:  # image-text rows: their tokens are counted in `seq_lengths`
+        return longest_row(dataset)
     # The table behind any `select`/`shuffle` mapping: a superset of the rows, so never less than the longest.
     lengths = pc.list_value_length(dataset.data.column("input_ids"))
     return int(pc.max(lengths).as_py() or 0)

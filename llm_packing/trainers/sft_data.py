@@ -14,7 +14,8 @@ The formats, by their columns (TRL's names):
 | conversational    | `messages` (or ShareGPT `conversations`), optional `tools`, `chat_template_kwargs` |
 | prompt-completion | `prompt` and `completion`, plain text or messages                                 |
 | tokenized         | `input_ids`, optional `labels`, `completion_mask`, `assistant_masks`              |
-| packed            | `input_ids` and `seq_lengths` (made by `pack_dataset`): trained as they are       |
+| image-text        | `messages` and `images` (or `image`), a processor as `processing_class`: `image_text` |
+| packed            | `input_ids` (or image-text `messages`) and `seq_lengths` (made by `pack_dataset`) |
 """
 
 import contextlib
@@ -35,7 +36,6 @@ from ..errors import PackingTypeError, PackingValueError
 
 logger = logging.getLogger(__name__)
 
-PACKED_COLUMNS = ("input_ids", "seq_lengths")
 RAW_COLUMNS = ("messages", "conversations", "prompt", "input_ids")  # with `dataset_text_field`: what TRL prepares
 
 
@@ -52,8 +52,10 @@ def column_names(name: str, dataset) -> list[str]:
 
 
 def is_packed(name: str, dataset) -> bool:
-    """Whether `dataset` holds packed rows (`input_ids` and `seq_lengths`), which are trained as they are."""
-    return all(column in column_names(name, dataset) for column in PACKED_COLUMNS)
+    """Whether `dataset` holds rows `pack_dataset` made (`seq_lengths`, with `input_ids`, or with `messages` for
+    image-text rows), which are trained as they are."""
+    columns = column_names(name, dataset)
+    return "seq_lengths" in columns and ("input_ids" in columns or "messages" in columns)
 
 
 def check_format(name: str, dataset, *, text_field: str, formatting_func: Callable | None = None) -> None:

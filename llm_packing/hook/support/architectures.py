@@ -20,7 +20,13 @@ from ..._compat import MASK_BUILDER_NAMES
 from ...errors import UnsupportedSetupError
 from .image_text import PROVEN_IMAGE_TEXT_TYPES
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
-from .table import REFUSED_BACKENDS, REFUSED_CANDIDATES, SDPA_DENSE_MODEL_TYPES, VERIFIED_MODEL_TYPES
+from .table import (
+    REFUSED_BACKENDS,
+    REFUSED_CANDIDATES,
+    REFUSED_LAYER_TYPES,
+    SDPA_DENSE_MODEL_TYPES,
+    VERIFIED_MODEL_TYPES,
+)
 
 
 # Layer kinds that attend through the mask builders; any other entry of `config.layer_types` (linear_attention, mamba,
@@ -191,7 +197,10 @@ def require_supported(config) -> None:
             reason = f"the image-text parity matrix proved it on {', '.join(proven)}, not on backend {backend!r}"
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
-    if reason is None and model_type not in _mixer_model_types() and (stateful := non_attention_layer_types(config)):
+    stateful = non_attention_layer_types(config) if reason is None else []
+    if refused_kinds := [kind for kind in stateful if kind in REFUSED_LAYER_TYPES]:
+        reason = f"`layer_types` holds {refused_kinds[0]!r} layers: {REFUSED_LAYER_TYPES[refused_kinds[0]]}"
+    elif stateful and model_type not in _mixer_model_types():
         reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
     if reason is None:
         return

@@ -12,6 +12,7 @@ from .architectures import (
     FLASH_BACKENDS,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
+    REFUSED_LAYER_TYPES,
     _causal_lm_class,
     _refused_model_types,
     backend_available,
@@ -61,7 +62,8 @@ def support_matrix_markdown() -> str:
         f"{transformers.__version__}; `tests/test_architectures.py` keeps it true.",
         "",
         "`exact`: packed logits equal separate-document logits within 1e-5 (float32). `tests/test_parity.py` runs "
-        "eager, sdpa and flex_attention on CPU (per-token losses too); `tests/test_flash_path.py` runs transformers' "
+        "eager, sdpa and flex_attention on CPU (per-token losses too), on a fixed layout, on issue 25's row and on 20 "
+        "layouts drawn at random (`tests/random_layouts.py`); `tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
         "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3. `inferred`: not run; "
         "flash_attention_3 takes flash_attention_2's path with another kernel (the test asserts it), so the cell "
@@ -85,6 +87,11 @@ def support_matrix_markdown() -> str:
     refused = _refused_model_types()
     lines += ["", f"## Refused ({len(refused)})", "", "| model_type | reason |", "|---|---|"]
     lines += [f"| {model_type} | {reason} |" for model_type, reason in refused.items()]
+    lines += [
+        "", "## Refused layer kinds", "", "A config whose `layer_types` holds one is refused, whatever its type.", "",
+        "| layer kind | reason |", "|---|---|",
+    ]
+    lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
     return "\n".join(lines + image_text_lines()) + "\n"
 
 

@@ -250,6 +250,17 @@ REFUSED_BACKENDS: dict[tuple[str, str], str] = {
     for model_type in ("flint", "gpt_oss", "granite_swa", "granitemoe_swa")
 }
 
+# Layer kinds (`config.layer_types`) that no supported type isolates, with the reason: a config holding one is refused
+# although its type is supported without it (the parity matrix's tiny config has none).
+REFUSED_LAYER_TYPES: dict[str, str] = {
+    "minimax_m3_sparse": (
+        "MiniMax-M3's block-sparse attention, whose indexer ranks blocks of keys by their slot in the packed row and "
+        "hides future keys by comparing slots with per-document positions, so that a packed document's queries choose "
+        "among the blocks of the documents before it: packed logits differ from separate documents by 5.4e-01 (eager, "
+        "sdpa; blocks of 4 tokens, 2 kept)"
+    ),
+}
+
 # Supported types whose sdpa attention the varlen route (llm_packing/hook/varlen.py) cannot express: they keep
 # transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
 # matrix's route axis.

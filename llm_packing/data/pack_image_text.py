@@ -1,0 +1,179 @@
+"""`pack_dataset` for image-text conversations (TRL's vision format: `messages` with `images` or `image`).
+
+Each conversation's true token count, placeholders expanded as the processor expands them, is planned from its text
+and its images' file headers (see `image_text.py`: no pixel is decoded), then every split is packed at once with
+`pack_sequences`, as for text. Tokenizing and pixel processing happen in the collator, one row at a time, with the
+processor TRL's vision collator uses: a packed row keeps its conversations (`messages`) and their images as the
+dataset holds them (paths, bytes or `datasets.Image` values, never decoded here), in packed order, and says where each
+document lies (`seq_lengths`, `seq_starts`, `conversation_lengths`); the collator checks every count it gets against
+the plan.
+
+Overflow never cuts inside an image: a conversation too long once its images are expanded is refused
+(`overflow="error"`), left out and counted (`"drop"`), or, with `"truncate"` / `"split"`, cut at `max_length` only
+when all its images end within the first `max_length` tokens (the pieces after the first are text), and refused
+otherwise.
+"""
+
+import dataclasses
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from datasets.fingerprint import Hasher
+
+from ..core.binpack import pack_sequences
+from ..core.overflow import OverflowPolicy, cut_pieces
+from ..errors import PackingValueError, SequenceTooLongError
+from ._io.packed_cache import PackedWriter, destination, load_cached
+from .image_text import ConversationPlanner
+
+
+__all__ = ["IMAGE_COLUMNS", "is_image_text", "pack_image_text_split", "plan_conversations"]
+
+IMAGE_COLUMNS = ("images", "image")  # TRL's: a dataset is a vision dataset if its rows have either
+_ROWS_PER_CHUNK = 1000  # packed rows gathered and written at a time: a chunk's image bytes, not the corpus's, in RAM
+
+
+def is_image_text(dataset) -> bool:
+    """Whether `dataset` is in TRL's vision format (an `images` or `image` column)."""
+    return any(name in (dataset.column_names or ()) for name in IMAGE_COLUMNS)
+
+
+def image_column(dataset) -> str:
+    return next(name for name in IMAGE_COLUMNS if name in dataset.column_names)
+
+
+def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: str | None = None,
+                       num_proc: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """
+    `(tokens, images_end)` of every row of `dataset`: the conversation's token count with its images' placeholders
+    expanded, and the tokens up to the end of its last image (0 without images), as int64 arrays. Planned with
+    `Dataset.map` over the Arrow rows (cached like any map, `num_proc` processes): images are read as stored, never
+    decoded.
+    """
+    _check_format(dataset)
+    images = image_column(dataset)
+    single = images == "image"
+    planner = ConversationPlanner(processor, chat_template)
+
+    def plan(batch: pa.Table, indices):  # Arrow rows: images as stored ({"bytes", "path"}), never decoded
+        rows = [planner.plan(conversation, _as_list(value, single), f"row {index}") for conversation, value, index
+                in zip(batch["messages"].to_pylist(), batch[images].to_pylist(), indices, strict=True)]
+        return {"tokens": [tokens for tokens, _ in rows], "images_end": [end for _, end in rows]}
+
+    counts = dataset.with_format("arrow").map(
+        plan, batched=True, with_indices=True, num_proc=num_proc, remove_columns=dataset.column_names,
+        desc="Planning image-text token counts",
+        features=datasets.Features({"tokens": datasets.Value("int64"), "images_end": datasets.Value("int64")}),
+    )
+    table = counts.with_format("numpy")
+    return np.asarray(table["tokens"], dtype=np.int64), np.asarray(table["images_end"], dtype=np.int64)
+
+
+def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy, options: dict,
+                          storage: dict, *, processor, chat_template: str | None = None, num_proc: int | None = None):
+    """One split of image-text conversations packed (or loaded from the cache): `(packed, stats)`."""
+    if processor is None:
+        raise PackingValueError(
+            f"`dataset` holds images (column {image_column(dataset)!r}), so packing it needs the token count of each "
+            "conversation once the processor has expanded its image placeholders. Pass the processor you train with: "
+            "`pack_dataset(dataset, max_length, processor=processor)`."
+        )
+    tokens, images_end = plan_conversations(dataset, processor, chat_template=chat_template, num_proc=num_proc)
+    pieces = _pieces(tokens, images_end, max_length, overflow)
+    plan_fingerprint = Hasher.hash((tokens.tobytes(), images_end.tobytes()))
+    target = destination(dataset, dict(max_length=max_length, overflow=overflow, plan=plan_fingerprint, **options),
+                         **storage)
+    cached = load_cached(target, dataset.split)
+    if cached is not None:
+        return cached
+    plan = pack_sequences(pieces.length, max_length, strategy=options["strategy"], seed=options["seed"],
+                          max_docs_per_bin=options["max_docs_per_bin"])
+    stats = dataclasses.replace(plan.stats, **pieces.counts())
+    images = image_column(dataset)
+    table = dataset.with_format("arrow")
+    features = _packed_features(dataset, images)
+    writer = PackedWriter(target, features.arrow_schema, stats)
+    try:
+        for first in range(0, plan.num_bins, _ROWS_PER_CHUNK):
+            offsets = plan.bin_offsets[first : first + _ROWS_PER_CHUNK + 1]
+            order = plan.order[offsets[0] : offsets[-1]]
+            writer.write(_packed_rows(table, images, pieces, order, offsets - offsets[0], tokens, features)).result()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(dataset.split), stats
+
+
+def _check_format(dataset) -> None:
+    if "messages" not in dataset.column_names:
+        raise PackingValueError(
+            f"`dataset` holds images (column {image_column(dataset)!r}) but has no 'messages' column (columns: "
+            f"{dataset.column_names}). Image-text rows are packed in TRL's conversational format: `messages` (a list "
+            "of {'role', 'content'}) beside `images`. Convert prompt-completion or text rows to `messages` first."
+        )
+
+
+def _pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: int, overflow: OverflowPolicy):
+    too_long = np.flatnonzero(tokens > max_length)
+    if len(too_long) and overflow == "error":
+        row = int(too_long[np.argmax(tokens[too_long])])
+        raise SequenceTooLongError(
+            f"{len(too_long)} conversation(s) are longer than `max_length`={max_length} once their image placeholders "
+            f"are expanded; the longest has {tokens[row]} tokens (row {row}). Raise `max_length` to at least "
+            f"{tokens[row]}, use fewer or smaller images, or pass `overflow='drop'` (left out and counted), "
+            "'truncate' or 'split' (cut at `max_length`, where that cuts no image)."
+        )
+    if overflow in ("truncate", "split"):
+        uncuttable = too_long[images_end[too_long] > max_length]
+        if len(uncuttable):
+            row = int(uncuttable[0])
+            raise SequenceTooLongError(
+                f"`overflow`={overflow!r} would cut inside an image: row {row} has {tokens[row]} tokens with its "
+                f"image placeholders expanded, and its last image ends at token {images_end[row]}, past `max_length`="
+                f"{max_length} ({len(uncuttable)} such row(s)). A cut inside an image's tokens, or one that separates "
+                f"the images of a conversation, is never made. Raise `max_length` to at least {images_end[row]}, use "
+                "fewer or smaller images in those rows, or pass `overflow='drop'`."
+            )
+    return cut_pieces(tokens, max_length, overflow)
+
+
+def _undecoded(feature):
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(mode=feature.mode, decode=False)
+    if isinstance(feature, (datasets.List, datasets.LargeList)):
+        return type(feature)(_undecoded(feature.feature))
+    if isinstance(feature, datasets.Sequence):
+        return datasets.Sequence(_undecoded(feature.feature), length=feature.length)
+    return feature
+
+
+def _packed_features(dataset: datasets.Dataset, images: str) -> datasets.Features:
+    image = _undecoded(dataset.features[images])
+    per_document = image if images == "images" else datasets.List(image)
+    lengths = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"messages": datasets.List(dataset.features["messages"]),
+                              "images": datasets.List(per_document), "seq_lengths": lengths, "seq_starts": lengths,
+                              "conversation_lengths": lengths})
+
+
+def _packed_rows(table, images: str, pieces, order, offsets, tokens, features) -> pa.Table:
+    """The packed rows of the pieces `order` (grouped by `offsets`), gathered from the Arrow `table`."""
+    sources = pieces.source[order]
+    wrap = lambda values: pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)  # noqa: E731
+    messages = table["messages"].take(sources).combine_chunks()
+    document_images = table[images].take(sources).combine_chunks()
+    if images == "image":  # one image per conversation: a list of one
+        single = pa.array(np.arange(len(sources) + 1), pa.int32())
+        document_images = pa.ListArray.from_arrays(single, document_images)
+    columns = {"messages": wrap(messages), "images": wrap(document_images),
+               "seq_lengths": wrap(pa.array(pieces.length[order], pa.int32())),
+               "seq_starts": wrap(pa.array(pieces.start[order], pa.int32())),
+               "conversation_lengths": wrap(pa.array(tokens[sources], pa.int32()))}
+    return pa.Table.from_arrays([columns[name] for name in features], schema=features.arrow_schema)
+
+
+def _as_list(value, single: bool) -> list:
+    if single:
+        return [] if value is None else [value]
+    return list(value or [])

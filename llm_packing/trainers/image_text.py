@@ -1,0 +1,136 @@
+"""`PackedSFTTrainer` on TRL's vision datasets: `messages` with `images` (or `image`), a processor as
+`processing_class`.
+
+[`prepare_image_text`] runs before `SFTTrainer.__init__`: it checks that the processor matches the model, packs raw
+conversations with `pack_dataset(..., processor=...)` at `SFTConfig.max_length` (their true token counts, images
+expanded, planned without decoding pixels; the trainer's `overflow`, `"error"` unless given, so nothing is cut or
+dropped unasked), and builds the collator, [`~llm_packing.batches.collator.DataCollatorWithPacking`] with the
+processor, which processes each document as TRL's vision collator does. `assistant_only_loss` goes to that collator
+(TRL's own never runs), so it is taken off the config TRL sees.
+"""
+
+import copy
+import dataclasses
+
+from datasets import Dataset
+
+from ..batches.collator import DataCollatorWithPacking
+from ..batches.packed_conversations import media_token_ids, placeholder_ids
+from ..data.pack import pack_dataset
+from ..data.pack_image_text import is_image_text
+from ..errors import PackingTypeError, PackingValueError
+
+
+# The columns a packed image-text row carries, which TRL's column pruning must keep.
+PACKED_COLUMNS = ["messages", "images", "seq_lengths", "seq_starts", "conversation_lengths"]
+
+
+@dataclasses.dataclass
+class ImageTextSetup:
+    """What `PackedSFTTrainer` trains image-text rows with: the config TRL sees, the packed datasets, the collator."""
+
+    args: object
+    train_dataset: object
+    eval_dataset: object
+    data_collator: DataCollatorWithPacking
+
+
+def prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset, *,
+                       overflow: str = "error"):
+    """The [`ImageTextSetup`] for a vision `train_dataset`, or `None` for a text one (left to the text path)."""
+    if not isinstance(train_dataset, Dataset) or not is_image_text(train_dataset):
+        return None
+    processor = processing_class
+    if not (hasattr(processor, "tokenizer") and hasattr(processor, "image_processor")):
+        raise PackingTypeError(
+            "`train_dataset` holds images, so `processing_class` must be the model's processor (a ProcessorMixin "
+            f"with a tokenizer and an image processor), got {type(processor).__name__}. Pass "
+            "`AutoProcessor.from_pretrained(...)`."
+        )
+    check_processor_matches_model(processor, model)
+    if data_collator is not None and getattr(data_collator, "processor", None) is None:
+        raise PackingTypeError(
+            f"`data_collator` must be a DataCollatorWithPacking with a `processor` for image-text rows, got "
+            f"{type(data_collator).__name__}. Leave `data_collator` out: PackedSFTTrainer builds one."
+        )
+    if args.max_length is None:
+        raise PackingValueError(
+            "`max_length` in the SFTConfig is None, but image-text conversations are packed into rows of "
+            "`max_length` tokens. Set it (e.g. `SFTConfig(max_length=2048)`)."
+        )
+    if args.chat_template_path is not None:
+        raise PackingValueError(
+            f"`chat_template_path`={args.chat_template_path!r} with image-text rows: TRL would set the template after "
+            "the conversations were planned with the processor's. Set `processor.chat_template` before building the "
+            "trainer, and leave `chat_template_path` out."
+        )
+    packed = {name: _packed(dataset, args.max_length, processor, overflow)
+              for name, dataset in (("train", train_dataset), *_evals(eval_dataset))}
+    evals = {name[5:]: value for name, value in packed.items() if name.startswith("eval/")}
+    eval_packed = evals if isinstance(eval_dataset, dict) else evals.get("")
+    if data_collator is None:
+        data_collator = DataCollatorWithPacking(
+            pad_token_id=_pad_token_id(processor.tokenizer), max_length=args.max_length,
+            pad_to_multiple_of=args.pad_to_multiple_of, processor=processor,
+            assistant_only_loss=bool(args.assistant_only_loss))
+    args = copy.copy(args)
+    args.assistant_only_loss = False  # applied by our collator; TRL's check is for its own dataset preparation
+    return ImageTextSetup(args, packed["train"], eval_packed, data_collator)
+
+
+def check_processor_matches_model(processor, model) -> None:
+    """Refuse a processor whose image / video token ids are not the model's, or whose tokenizer is larger than the
+    model's embedding."""
+    config = getattr(model, "config", None)
+    for kind in ("image", "video"):
+        given = placeholder_ids(processor, kind)
+        expected = _config_value(config, f"{kind}_token_id")
+        if given and isinstance(expected, int) and expected not in given:
+            raise PackingValueError(
+                f"The processor's {kind} placeholder token id is {sorted(given)} but the model's config says "
+                f"`{kind}_token_id`={expected}: the model would look for its {kind} features at other tokens than the "
+                "processor expands (and refuse the batch, or train on the wrong tokens). Use the processor saved with "
+                "the model (`AutoProcessor.from_pretrained` of the same checkpoint), or set the config's token id to "
+                "the processor's."
+            )
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is not None and len(processor.tokenizer) > rows:
+        raise PackingValueError(
+            f"The processor's tokenizer has {len(processor.tokenizer)} tokens but the model's embedding has {rows} "
+            f"rows: token ids from {rows} on (e.g. the image token {media_token_ids(processor)}) have no embedding. "
+            "Use the model's own processor, or `model.resize_token_embeddings(len(processor.tokenizer))`."
+        )
+
+
+def longest_row(dataset: Dataset) -> int | None:
+    """The tokens of the longest packed image-text row of `dataset`, from its `seq_lengths` (no image is read)."""
+    return max((sum(lengths) for lengths in dataset.with_format(None)["seq_lengths"]), default=None)
+
+
+def _packed(dataset, max_length: int, processor, overflow: str):
+    if "seq_lengths" in dataset.column_names:  # packed already, by pack_dataset(..., processor=...)
+        return dataset
+    return pack_dataset(dataset, max_length, processor=processor, overflow=overflow)
+
+
+def _evals(eval_dataset):
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"eval/{name}", dataset) for name, dataset in eval_dataset.items()]
+    return [("eval/", eval_dataset)]
+
+
+def _config_value(config, field: str):
+    for part in (config, getattr(config, "text_config", None)):
+        for name in (field, field.replace("_id", "_index")):
+            value = getattr(part, name, None) if part is not None else None
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def _pad_token_id(tokenizer) -> int:
+    candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+    return next(int(token_id) for token_id in candidates if token_id is not None)
