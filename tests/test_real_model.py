@@ -10,7 +10,9 @@ import copy
 import importlib.metadata
 import importlib.util
 import math
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +25,7 @@ from trl import SFTConfig, SFTTrainer
 
 from llm_packing import ContaminationError, DataCollatorWithPacking, pack_dataset, packing_configured, verify_packing
 from llm_packing.cli.sample_reply import sample_reply
+from llm_packing.demo.chitchat import load_chitchat_conversations
 from llm_packing.demo.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
 from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
 
@@ -32,6 +35,9 @@ from llm_packing.errors import CheckpointFileError, MissingPackageError, Packing
 # scale; packed rows differ from the documents alone by exactly that. The tolerance, 3e-5 of the scale (~1e-3), is
 # twice the worst floor; contamination moves logits by 13 to 30.
 RELATIVE_TOLERANCE = 3e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_RECIPE = os.path.join(ROOT, "recipes", "smollm2-135m-lora.yaml")
+TRAINING_TEMPLATE = os.path.join(ROOT, "recipes", "chat_templates", "smollm2_training.jinja")
 PAD = 2
 ROWS = [[23, 30, 11], [25, 29]]  # document lengths per packed row of 64 tokens; the second row ends in 10 pads
 ROW_LENGTH = 64
@@ -90,6 +96,24 @@ class TestLoader:
         assert len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.chat_template
         assert sample_reply(smollm2, tokenizer, "What is the capital of France?") == "The capital of France is Paris."
         assert not smollm2.training
+
+    def test_training_chat_template_renders_the_same_and_marks_the_replies(self):
+        # The main recipe's template: SmolLM2's own, with {% generation %} around each assistant reply and its end.
+        tokenizer = load_bundled_tokenizer()
+        with open(TRAINING_TEMPLATE, encoding="utf-8") as file:
+            template = file.read()
+        chats = [*load_chitchat_conversations(20), [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Hi"}]]
+        for chat in chats:
+            for prompt in (False, True):
+                assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) == \
+                    tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt,
+                                                  chat_template=template)
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        encoded = tokenizer.apply_chat_template(chat, chat_template=template, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+        trained = [token for token, bit in zip(encoded["input_ids"], encoded["assistant_masks"], strict=True) if bit]
+        assert tokenizer.decode(trained) == "yo<|im_end|>"  # the reply and its end-of-turn: the model learns to stop
 
     def test_wheel_not_installed(self, monkeypatch):
         def missing(name):
@@ -208,3 +232,34 @@ def test_sft_trainer_packed_loss_equals_unpacked(smollm2, tmp_path):
     # Same gradients, so the second step starts from the same weights as well.
     assert packed_losses == pytest.approx(unpacked_losses, abs=1e-4)
 
+
+
+@pytest.mark.slow
+def test_main_recipe_prints_replies_and_loss_and_saves_the_trained_adapter(smollm2, tmp_path):
+    # The README's main command, one step, run from another folder (the recipe finds its chat template beside it).
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    output_dir = tmp_path / "out"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "llm_packing.train", "--config", MAIN_RECIPE, "--max_steps", "1",
+                             "--output_dir", str(output_dir)], cwd=tmp_path, env=environment, capture_output=True,
+                            text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "isolation verified" in output and "5 bins of 512 tokens" in output
+    prompt = "'hey what are you up to this weekend?'"
+    before = re.search(rf"before training, reply to {re.escape(prompt)}: (.+)", output).group(1)
+    after = re.search(rf"after training, reply to {re.escape(prompt)}: (.+)", output).group(1)
+    assert before.startswith(("'Hey there! How can I assist you today?", '"Hey there! How can I assist you today?'))
+    assert len(after) > 2
+    assert re.search(r"last logged loss \d+\.\d+ \(step 1\); mean loss over the run \d+\.\d+", output)
+    assert f"model saved to {output_dir} (" in output and "adapter_model.safetensors" in output
+    # What was saved is the model that answered after training: its LoRA B matrices (zero at the start) moved, and
+    # the adapter put back on the bundled weights gives the same reply.
+    weights = load_file(output_dir / "adapter_model.safetensors")
+    assert len([name for name in weights if "lora_B" in name]) == 7 * 30
+    assert all(weights[name].abs().max() > 0 for name in weights if "lora_B" in name)
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(smollm2), str(output_dir))
+    tokenizer = load_bundled_tokenizer()
+    assert repr(sample_reply(reloaded, tokenizer, prompt.strip("'"))) == after

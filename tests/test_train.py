@@ -76,6 +76,15 @@ def test_command_line_overrides_recipe(tmp_path):
     assert training_args.learning_rate == 0.5
 
 
+def test_recipe_finds_its_chat_template_beside_it(tmp_path, monkeypatch):
+    recipe = os.path.join(ROOT, "recipes", "smollm2-135m-lora.yaml")
+    beside = os.path.join(ROOT, "recipes", "chat_templates", "smollm2_training.jinja")
+    monkeypatch.chdir(tmp_path)  # not the repository root
+    assert parse_args(["--config", recipe])[1].chat_template_path == beside
+    (tmp_path / "mine.jinja").write_text("{{ messages }}")  # a flag names a file in the working directory
+    assert parse_args(["--config", recipe, "--chat_template_path", "mine.jinja"])[1].chat_template_path == "mine.jinja"
+
+
 def test_config_equals_form(tmp_path):
     _, training_args, _, _ = parse_args([f"--config={TINY}", "--output_dir", str(tmp_path)])
     assert training_args.max_length == 512

@@ -202,7 +202,7 @@ def test_packed_sft_trainer_leaves_the_callers_config_alone(tmp_path, tokenizer)
     args = SFTConfig(output_dir=str(tmp_path), **QUIET)
     trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),
                                processing_class=tokenizer, verify_packing=False)
-    assert trainer.args.max_length == MAX_LENGTH and trainer.args.dataset_kwargs["skip_prepare_dataset"]
+    assert trainer.args.max_length == MAX_LENGTH and trainer.train_dataset is not None
     assert args.max_length == 1024 and args.dataset_kwargs is None
     assert isinstance(trainer.data_collator, DataCollatorWithPacking)
     assert trainer.data_collator.pad_token_id == tokenizer.pad_token_id
@@ -230,7 +230,7 @@ def trl_packed_rows() -> Dataset:
         ({"padding_free": True, "max_length": None}, None, None, PackingValueError,
          r"`padding_free=True` in the SFTConfig.*DataCollatorWithPacking\(padding_free=True\)"),
         ({"assistant_only_loss": True}, None, None, PackingValueError,
-         r"`assistant_only_loss=True`.*Mask the labels when tokenizing"),
+         r"`assistant_only_loss=True`.*`train_dataset` holds rows packed already. Pass the `messages` dataset itself"),
         ({}, DataCollatorForLanguageModeling(pad_token_id=0), None, PackingTypeError,
          r"must be a DataCollatorWithPacking.*TRL's: it ignores `seq_lengths` and sends an all-ones"),
         ({"max_length": 16}, None, None, PackingValueError,
@@ -238,16 +238,26 @@ def trl_packed_rows() -> Dataset:
         ({"max_length": 64}, None, None, PackingValueError, r"`max_length` differs"),
         ({}, DataCollatorWithPacking(max_length=64), None, PackingValueError,
          r"`max_length` differs: pack_dataset \(train_dataset\) 32, DataCollatorWithPacking 64"),
-        ({}, None, "unpacked", PackingValueError, r"`train_dataset` has columns \['input_ids', 'labels'\], not packed "
-         r"rows.*pack_dataset\(tokenized, max_length\)"),
+        ({}, None, "questions", PackingValueError,
+         r"`train_dataset` has columns \['question'\], in none of the formats trl.SFTTrainer prepares.*"
+         r"set `dataset_text_field`"),
+        ({"dataset_kwargs": {"skip_prepare_dataset": True}}, None, "unpacked", PackingValueError,
+         r"skips the preparation that tokenizes and packs `train_dataset`, whose columns \['input_ids', 'labels'\] "
+         r"are not packed rows.*pack_dataset\(tokenized, max_length\)"),
+        ({"max_length": None}, None, "unpacked", PackingValueError,
+         r"`max_length` is None in the SFTConfig, but PackedSFTTrainer packs `train_dataset`"),
+        ({}, None, "prompt-only", PackingValueError, r"`train_dataset` has a `prompt` column but no `completion`"),
         ({"max_length": 16}, None, "trl", PackingValueError,
          r"`train_dataset` has rows of \d+ tokens, longer than `max_length`=16"),
     ],
     ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller", "max_length-larger",
-         "collator-max_length", "unpacked", "rows-longer-than-max_length"],
+         "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None", "prompt-only",
+         "rows-longer-than-max_length"],
 )
 def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, dataset, error, match):
-    train_dataset = {"unpacked": documents, "trl": trl_packed_rows}.get(dataset, packed_rows)()
+    train_dataset = {"unpacked": documents, "trl": trl_packed_rows, "questions": lambda: Dataset.from_dict(
+        {"question": ["Why?"]}), "prompt-only": lambda: Dataset.from_dict({"prompt": ["Why?"]})}.get(
+        dataset, packed_rows)()
     output_dir = tmp_path / "out"
     with pytest.raises(error, match=match):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **{**QUIET, **config}),

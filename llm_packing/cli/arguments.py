@@ -111,8 +111,8 @@ class PackingArguments:
 
     packing_engine: str = field(
         default="local",
-        metadata={"help": "Where documents are packed: local (pack_dataset) or ray (pack_dataset_on_ray, the gather "
-                  "as Ray tasks; pip install 'llm_packing[ray]').", "choices": list(PACKING_ENGINES)},
+        metadata={"help": "Where documents are packed: local (pack_dataset) or ray (pack_dataset_on_ray; pip "
+                  "install 'llm_packing[ray]').", "choices": list(PACKING_ENGINES)},
     )
     ray_address: str | None = field(
         default=None,
@@ -121,8 +121,7 @@ class PackingArguments:
     )
     packed_dir: str | None = field(
         default=None,
-        metadata={"help": "Directory for packing_engine: ray's packed shards, shared by the cluster and the ranks "
-                  "(default <output_dir>/packed_rows)."},
+        metadata={"help": "Shared folder of packing_engine: ray's shards (default <output_dir>/packed_rows)."},
     )
 
     def __post_init__(self):

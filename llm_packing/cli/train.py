@@ -189,6 +189,7 @@ def parse_args(argv: list[str] | None = None):
         if flag.startswith("--") and flag != "--config" and flag not in parser._option_string_actions:
             raise PackingValueError(f"Unknown flag {flag!r}{_did_you_mean(flag[2:].replace('-', '_'), valid_keys)}")
     script_args, training_args, model_args, packing_args = parser.parse_args_and_config(argv)
+    _resolve_beside_recipe(training_args, "chat_template_path", path)
     _check_supported(script_args, training_args, model_args)
     check_dataset_name(script_args.dataset_name)  # before minutes of model loading, not after
     return script_args, training_args, model_args, packing_args
@@ -247,6 +248,17 @@ def _trainer_name(argv: list[str]) -> str:
             recipe = yaml.safe_load(file)
             return recipe.get("trainer", "sft") if isinstance(recipe, dict) else "sft"
     return "sft"
+
+
+def _resolve_beside_recipe(arguments, key: str, recipe_path: str | None) -> None:
+    """A relative file path that is not in the working directory but beside the recipe is taken from there: recipes
+    name their companion files (a chat template) relative to themselves, whatever folder they are run from."""
+    value = getattr(arguments, key, None)
+    if recipe_path is None or not value or os.path.isabs(value) or os.path.exists(value):
+        return
+    beside = os.path.join(os.path.dirname(os.path.abspath(recipe_path)), value)
+    if os.path.exists(beside):
+        setattr(arguments, key, beside)
 
 
 def _did_you_mean(key: str, valid_keys: list[str]) -> str:

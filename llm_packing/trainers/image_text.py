@@ -3,8 +3,8 @@
 
 [`prepare_image_text`] runs before `SFTTrainer.__init__`: it checks that the processor matches the model, packs raw
 conversations with `pack_dataset(..., processor=...)` at `SFTConfig.max_length` (their true token counts, images
-expanded, planned without decoding pixels; `overflow="error"`, so nothing is cut or dropped unasked: pack beforehand
-for another policy), and builds the collator, [`~llm_packing.batches.collator.DataCollatorWithPacking`] with the
+expanded, planned without decoding pixels; the trainer's `overflow`, `"error"` unless given, so nothing is cut or
+dropped unasked), and builds the collator, [`~llm_packing.batches.collator.DataCollatorWithPacking`] with the
 processor, which processes each document as TRL's vision collator does. `assistant_only_loss` goes to that collator
 (TRL's own never runs), so it is taken off the config TRL sees.
 """
@@ -35,7 +35,8 @@ class ImageTextSetup:
     data_collator: DataCollatorWithPacking
 
 
-def prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset):
+def prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset, *,
+                       overflow: str = "error"):
     """The [`ImageTextSetup`] for a vision `train_dataset`, or `None` for a text one (left to the text path)."""
     if not isinstance(train_dataset, Dataset) or not is_image_text(train_dataset):
         return None
@@ -63,7 +64,7 @@ def prepare_image_text(args, model, processing_class, data_collator, train_datas
             "the conversations were planned with the processor's. Set `processor.chat_template` before building the "
             "trainer, and leave `chat_template_path` out."
         )
-    packed = {name: _packed(dataset, args.max_length, processor)
+    packed = {name: _packed(dataset, args.max_length, processor, overflow)
               for name, dataset in (("train", train_dataset), *_evals(eval_dataset))}
     evals = {name[5:]: value for name, value in packed.items() if name.startswith("eval/")}
     eval_packed = evals if isinstance(eval_dataset, dict) else evals.get("")
@@ -107,10 +108,10 @@ def longest_row(dataset: Dataset) -> int | None:
     return max((sum(lengths) for lengths in dataset.with_format(None)["seq_lengths"]), default=None)
 
 
-def _packed(dataset, max_length: int, processor):
+def _packed(dataset, max_length: int, processor, overflow: str):
     if "seq_lengths" in dataset.column_names:  # packed already, by pack_dataset(..., processor=...)
         return dataset
-    return pack_dataset(dataset, max_length, processor=processor)
+    return pack_dataset(dataset, max_length, processor=processor, overflow=overflow)
 
 
 def _evals(eval_dataset):

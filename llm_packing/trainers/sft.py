@@ -1,8 +1,10 @@
-"""`PackedSFTTrainer`: TRL's `SFTTrainer` for `pack_dataset` rows, trained exactly or refused before the first step.
+"""`PackedSFTTrainer`: TRL's `SFTTrainer`, packed, with one import changed.
 
-Stock `SFTTrainer` given packed rows with its defaults cuts them to `SFTConfig.max_length` (1024) and collates them
-with an all-ones mask, so documents attend to each other. This subclass keeps TRL's training loop, loss and logging,
-and changes only what packed rows need: TRL's dataset preparation off (no truncation, no re-tokenizing), our
+It takes the datasets `SFTTrainer` takes (text, conversational, prompt-completion, tokenized; see `sft_data.py`),
+prepares them with TRL's own code and packs each split at once with `pack_dataset`; rows `pack_dataset` made already
+are trained as they are. Stock `SFTTrainer` given packed rows with its defaults cuts them to `SFTConfig.max_length`
+(1024) and collates them with an all-ones mask, so documents attend to each other; this subclass keeps TRL's training
+loop, loss and logging, and changes only what packed rows need: our
 [`~llm_packing.batches.collator.DataCollatorWithPacking`], the hook configured and verified on the model. Every setting
 that would cut or mix documents raises a [`~llm_packing.errors.PackingError`] from the constructor.
 """
@@ -11,52 +13,78 @@ import copy
 import os
 
 import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset
+from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
+from trl.trainer.utils import global_then_local_main_first
 
 from ..batches.collator import DataCollatorWithPacking
+from ..core.checks import check_integer
+from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
 from ..hook.verify import configure_and_verify
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
+from .sft_data import check_format, column_names, is_packed, pack_documents
 
 
-# `SFTConfig()`'s own max_length: a value the user most likely never chose, so the packed rows' length replaces it.
+# `SFTConfig()`'s own max_length: for rows packed already, a value the user most likely never chose, so the packed
+# rows' length replaces it. For datasets the trainer packs, it is the row length, as it is TRL's truncation length.
 _DEFAULT_MAX_LENGTH = SFTConfig.__dataclass_fields__["max_length"].default
 
 
 class PackedSFTTrainer(SFTTrainer):
     """
-    TRL's [`~trl.SFTTrainer`] for rows made by [`~llm_packing.data.pack.pack_dataset`]: no row is cut, every document
-    attends only to itself with positions restarting at 0, and no document is trained to predict the next one's first
-    token.
+    TRL's [`~trl.SFTTrainer`], packed: same arguments, same datasets, and every document trained exactly as if it were
+    alone (it attends only to itself, its positions restart at 0, and it is never trained to predict the next
+    document's first token).
 
-    Takes the same arguments as `SFTTrainer`. On top of it:
-    - TRL's dataset preparation is skipped (`skip_prepare_dataset`): the rows are tokenized and packed already, and
-      TRL would cut them to `SFTConfig.max_length`;
-    - batches are collated by [`~llm_packing.batches.collator.DataCollatorWithPacking`] (indexed `attention_mask`,
-    restarting
-      `position_ids`, -100 on each document's first label) with `max_length` taken from the packed dataset;
-    - when rows hold several documents, [`~llm_packing.configure_packing`] is applied to the model (process-wide; it
-      stays applied after training) and [`~llm_packing.verify_packing`] checks it, unless `verify_packing=False`.
+    Datasets (TRL's formats, see [`~llm_packing.trainers.sft_data`]):
+    - language modeling (`text`, or `dataset_text_field`; any columns with `formatting_func`), conversational
+      (`messages`, or ShareGPT `conversations`), prompt-completion (`prompt` + `completion`, plain or conversational),
+      or tokenized (`input_ids`, optional `labels`, `completion_mask`, `assistant_masks`): prepared by TRL's own
+      `SFTTrainer._prepare_dataset` (chat template, `chat_template_path`, `eos_token`, tools, `assistant_only_loss`,
+      `completion_only_loss`), then packed, each split at once, by [`~llm_packing.data.pack.pack_dataset`] into rows
+      of `SFTConfig.max_length` tokens (1024 by default). Documents longer than that follow `overflow`;
+    - rows made by `pack_dataset` (`input_ids` + `seq_lengths`): trained as they are, at the `max_length` they were
+      packed to (`SFTConfig`'s default 1024 then counts as unset).
 
-    Refused with a [`~llm_packing.errors.PackingError`] before the first step: a dataset without `seq_lengths` (not
-    packed), any other collator (TRL's pads packed rows into one attention span), `packing=True` or
-    `padding_free=True` in the `SFTConfig` (TRL would re-pack or flatten the rows with its own collator),
-    `assistant_only_loss=True` (apply it when tokenizing, before packing), a `max_length` that differs between
-    `pack_dataset`, the collator and the `SFTConfig` (`SFTConfig`'s default 1024 counts as unset), rows longer than
-    that `max_length`, context or sequence parallelism, and a model the hook cannot isolate.
+    On top of `SFTTrainer`: batches are collated by [`~llm_packing.batches.collator.DataCollatorWithPacking`]
+    (indexed `attention_mask`, restarting `position_ids`, -100 on each document's first label); when rows hold several
+    documents, [`~llm_packing.configure_packing`] is applied to the model (process-wide; it stays applied after
+    training) and [`~llm_packing.verify_packing`] checks it, unless `verify_packing=False`.
+
+    Refused with a [`~llm_packing.errors.PackingError`] before the first step: a dataset in none of these formats, any
+    other collator (TRL's pads packed rows into one attention span), `packing=True` or `padding_free=True` in the
+    `SFTConfig` (TRL would re-pack or flatten the rows with its own collator), `assistant_only_loss=True` with rows
+    packed already (it needs the conversations), `max_length=None` with a dataset to pack, a `max_length` that differs
+    between `pack_dataset`, the collator and the `SFTConfig`, packed rows longer than that `max_length`,
+    `skip_prepare_dataset` with a dataset that is not packed, context or sequence parallelism, and a model the hook
+    cannot isolate.
 
     Image-text conversations in TRL's vision format (`messages` + `images`, the model's processor as
     `processing_class`) are packed here, at `SFTConfig.max_length`, by their token counts with images expanded, and
     collated by the processor (`assistant_only_loss` applies); see `trainers/image_text.py` and docs/images.md.
 
     Args:
+        overflow (`str`, *optional*, defaults to `"truncate"`, `"error"` for image-text conversations):
+            Documents longer than `max_length`, in the datasets this trainer packs: `"truncate"` cuts them as
+            `trl.SFTTrainer` does (by `SFTConfig.truncation_mode`, dropping examples left without a trained token), so
+            the same tokens are trained on; `"split"` keeps every token, cutting them into `max_length` pieces trained
+            as separate documents; `"drop"` leaves them out; `"error"` refuses them. Whatever is cut is logged as a
+            warning and counted in `packing_stats`. An image-text conversation is never cut inside its images
+            (docs/images.md): by default one too long is refused.
+        max_docs_per_bin (`int`, *optional*):
+            Cap on documents per packed row (bounds FlashAttention's `cu_seqlens`).
         verify_packing (`bool`, *optional*, defaults to `True`):
             Run [`~llm_packing.verify_packing`] on the model after configuring the hook (four forwards of at most 16
             tokens).
         model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs:
             As for [`~trl.SFTTrainer`].
+
+    Attributes:
+        packing_stats (`dict[str, PackingStats]`):
+            The [`~llm_packing.core.stats.PackingStats`] of each map-style dataset this trainer packed, by TRL's name
+            for it (`"train"`, `"eval"`, or the key of an `eval_dataset` dict).
 
     Example:
     ```python
@@ -64,24 +92,24 @@ class PackedSFTTrainer(SFTTrainer):
     >>> from datasets import Dataset
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
     >>> from trl import SFTConfig
-    >>> from llm_packing import PackedSFTTrainer, pack_dataset
+    >>> from llm_packing import PackedSFTTrainer
     >>> from llm_packing.demo.chitchat import load_demo_tokenizer
-    >>> packed = pack_dataset(Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9], [10]]}), max_length=4)
+    >>> chats = Dataset.from_dict({"messages": [
+    ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+    ...     [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]]})
     >>> model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32_000, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    >>> args = SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False)
-    >>> trainer = PackedSFTTrainer(model=model, args=args, train_dataset=packed,
-    ...                            processing_class=load_demo_tokenizer())
-    >>> batch = trainer.data_collator([packed[0], packed[1]])
-    >>> batch["attention_mask"]
-    tensor([[1, 1, 1, 2],
-            [1, 1, 0, 0]])
-    >>> batch["position_ids"]
-    tensor([[0, 1, 2, 0],
-            [0, 1, 0, 0]])
-    >>> batch["labels"]
-    tensor([[-100,    6,    7, -100],
-            [-100,    9, -100, -100]])
+    >>> args = SFTConfig(output_dir=tempfile.mkdtemp(), assistant_only_loss=True, max_length=32, report_to="none",
+    ...                  use_cpu=True, bf16=False)
+    >>> tokenizer = load_demo_tokenizer()
+    >>> trainer = PackedSFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tokenizer)
+    >>> row = trainer.train_dataset[0]
+    >>> row["seq_lengths"]
+    [13, 11]
+    >>> tokenizer.decode([label for label in row["labels"] if label != -100])
+    'Ciao</s> Hello</s>'
+    >>> trainer.data_collator([row])["attention_mask"]
+    tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
     >>> from llm_packing import unconfigure_packing
     >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
@@ -89,19 +117,25 @@ class PackedSFTTrainer(SFTTrainer):
     """
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, *, verify_packing: bool = True, **kwargs):
+                 processing_class=None, *, overflow: str | None = None, max_docs_per_bin: int | None = None,
+                 verify_packing: bool = True, **kwargs):
+        if overflow is not None:
+            check_overflow_policy(overflow)
+        check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="documents per packed row")
         args = _sft_config(args, model)
-        image_text = prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset)
+        image_text = prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset,
+                                        overflow=overflow or "error")
         if image_text is not None:
             args, data_collator = image_text.args, image_text.data_collator
             train_dataset, eval_dataset = image_text.train_dataset, image_text.eval_dataset
         datasets_by_name = {"train_dataset": train_dataset, **_eval_datasets(eval_dataset)}
-        _check_config(args, data_collator)
+        _check_datasets(args, data_collator, datasets_by_name, kwargs.get("formatting_func"))
         max_length = _agreed_max_length(args, data_collator, datasets_by_name)
         # TRL mutates its config; keep the caller's untouched, as it may go on to build another trainer.
         args = copy.copy(args)
         args.max_length = max_length
-        args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+        self._packing_options = {"overflow": overflow or "truncate", "max_docs_per_bin": max_docs_per_bin}
+        self.packing_stats = {}
         our_collator = data_collator is None
         if our_collator:
             data_collator = DataCollatorWithPacking(max_length=max_length, pad_to_multiple_of=args.pad_to_multiple_of)
@@ -113,13 +147,35 @@ class PackedSFTTrainer(SFTTrainer):
             if image_text is not None:  # TRL would prune a vision dataset to its raw columns
                 self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
-            if _several_documents_per_row(datasets_by_name):
+            if _several_documents_per_row([self.train_dataset, *_eval_datasets(self.eval_dataset).values()]):
                 self._configure_model(verify_packing, processor=None if image_text is None else processing_class)
         except BaseException:
             # Trainer created the output folder; a refused setup leaves nothing behind.
             if new_output_dir and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
                 os.rmdir(args.output_dir)
             raise
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's preparation without truncation, then one global `pack_dataset`; packed rows pass as they are."""
+        if is_packed(dataset_name, dataset):
+            return dataset
+
+        def prepare(documents, max_length):
+            # Called again with `max_length` on the tokenized documents to truncate them: no formatting, no shuffle.
+            trl_args = copy.copy(args)
+            trl_args.max_length = max_length
+            first = max_length is None
+            trl_args.shuffle_dataset = args.shuffle_dataset and first
+            return SFTTrainer._prepare_dataset(self, documents, processing_class, trl_args, False,
+                                               formatting_func if first else None, dataset_name)
+
+        packed, stats = pack_documents(dataset, prepare, max_length=args.max_length,
+                                       truncation_mode=args.truncation_mode, num_proc=args.dataset_num_proc,
+                                       name=dataset_name, main_process_first=global_then_local_main_first,
+                                       **self._packing_options)
+        if stats is not None:
+            self.packing_stats[dataset_name] = stats
+        return packed
 
     def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
@@ -146,23 +202,22 @@ def _eval_datasets(eval_dataset) -> dict:
     return {"eval_dataset": eval_dataset}
 
 
-def _check_config(args: SFTConfig, data_collator) -> None:
+def _check_datasets(args: SFTConfig, data_collator, datasets_by_name: dict, formatting_func) -> None:
+    if datasets_by_name["train_dataset"] is None:
+        raise PackingValueError(
+            "`train_dataset` is required: a dataset trl.SFTTrainer takes (text, messages, prompt-completion, "
+            "tokenized) or rows made by `pack_dataset`."
+        )
     if args.packing:
         raise PackingValueError(
             "`packing=True` in the SFTConfig makes TRL pack the rows again, on top of pack_dataset's, and flatten "
-            "them with its own collator. Set `packing=False` (recipe: `packing: false`): the rows are packed already."
+            "them with its own collator. Set `packing=False` (recipe: `packing: false`): PackedSFTTrainer packs."
         )
     if args.padding_free:
         raise PackingValueError(
             "`padding_free=True` in the SFTConfig makes TRL flatten the batches with its own collator. Set "
             "`padding_free=False`; for one flattened row per batch, pass "
             "`data_collator=DataCollatorWithPacking(padding_free=True)` (recipe: `padding_free: true`, a packing key)."
-        )
-    if args.assistant_only_loss:
-        raise PackingValueError(
-            "`assistant_only_loss=True` in the SFTConfig needs raw conversations, but the rows are tokenized and "
-            "packed. Mask the labels when tokenizing (-100 outside assistant turns), before pack_dataset, and set "
-            "`assistant_only_loss=False`."
         )
     if data_collator is not None and not isinstance(data_collator, DataCollatorWithPacking):
         what = type(data_collator).__name__
@@ -173,29 +228,52 @@ def _check_config(args: SFTConfig, data_collator) -> None:
             f"`data_collator` must be a DataCollatorWithPacking for packed rows, got {what}. Leave `data_collator` "
             "out: PackedSFTTrainer builds one."
         )
+    skip_prepare = (args.dataset_kwargs or {}).get("skip_prepare_dataset", False)
+    for name, dataset in datasets_by_name.items():
+        if is_packed(name, dataset):
+            if args.assistant_only_loss:
+                raise PackingValueError(
+                    f"`assistant_only_loss=True` in the SFTConfig needs the conversations, but `{name}` holds rows "
+                    "packed already. Pass the `messages` dataset itself (PackedSFTTrainer tokenizes and packs it), or "
+                    "mask the labels when tokenizing (-100 outside assistant turns) and set "
+                    "`assistant_only_loss=False`."
+                )
+        elif skip_prepare:
+            raise PackingValueError(
+                f"`dataset_kwargs={{'skip_prepare_dataset': True}}` skips the preparation that tokenizes and packs "
+                f"`{name}`, whose columns {column_names(name, dataset)} are not packed rows (`input_ids` and "
+                "`seq_lengths`). Drop `skip_prepare_dataset`, or pack it first: `pack_dataset(tokenized, max_length)`."
+            )
+        else:
+            check_format(name, dataset, text_field=args.dataset_text_field, formatting_func=formatting_func)
 
 
 def _agreed_max_length(args: SFTConfig, data_collator, datasets_by_name: dict) -> int | None:
     """The one `max_length` of the packed datasets, the collator and the SFTConfig; refuses rows longer than it."""
-    if datasets_by_name["train_dataset"] is None:
-        raise PackingValueError("`train_dataset` is required: pass the output of `pack_dataset`.")
-    sources = {}
-    for name, dataset in datasets_by_name.items():
-        _check_packed(name, dataset)
-        sources[f"pack_dataset ({name})"] = packed_max_length(dataset)
-    if args.max_length != _DEFAULT_MAX_LENGTH:
+    packed = {name: dataset for name, dataset in datasets_by_name.items() if is_packed(name, dataset)}
+    to_pack = [name for name in datasets_by_name if name not in packed]
+    if to_pack and args.max_length is None:
+        raise PackingValueError(
+            f"`max_length` is None in the SFTConfig, but PackedSFTTrainer packs `{to_pack[0]}` into rows of "
+            "`max_length` tokens. Set `max_length` (TRL's default is 1024): documents longer than it follow the "
+            "trainer's `overflow` (default 'truncate', as trl.SFTTrainer truncates them; 'split' keeps every token)."
+        )
+    sources = {f"pack_dataset ({name})": packed_max_length(dataset) for name, dataset in packed.items()}
+    if to_pack or args.max_length != _DEFAULT_MAX_LENGTH:
         sources["SFTConfig"] = args.max_length
     if data_collator is not None:
         sources["DataCollatorWithPacking"] = data_collator.max_length
     given = {source: value for source, value in sources.items() if value is not None}
     if len(set(given.values())) > 1:
         listed = ", ".join(f"{source} {value}" for source, value in given.items())
+        packs = ", ".join(f"`{name}`" for name in to_pack)
+        packs = f" (PackedSFTTrainer packs {packs} at SFTConfig's)" if to_pack else ""
         raise PackingValueError(
-            f"`max_length` differs: {listed}. Use one value everywhere: pack with the length you train at, and leave "
-            "`max_length` out of the SFTConfig and the collator (PackedSFTTrainer takes it from the packed dataset)."
+            f"`max_length` differs: {listed}{packs}. Use one value everywhere: pack with the length you train at, "
+            "and leave `max_length` out of the collator (PackedSFTTrainer takes it from the packed dataset)."
         )
     max_length = next(iter(given.values()), None)
-    for name, dataset in datasets_by_name.items():
+    for name, dataset in packed.items():
         longest = _longest_row(dataset)
         if max_length is None:
             max_length = longest
@@ -206,23 +284,6 @@ def _agreed_max_length(args: SFTConfig, data_collator, datasets_by_name: dict) -
                 f"`pack_dataset(..., max_length={max_length})`."
             )
     return max_length
-
-
-def _check_packed(name: str, dataset) -> None:
-    if isinstance(dataset, Dataset):
-        columns = dataset.column_names
-    elif isinstance(dataset, IterableDataset):
-        columns = dataset.column_names or list(next(iter(dataset), {}))
-    else:
-        raise PackingTypeError(
-            f"`{name}` must be a datasets Dataset or IterableDataset made by pack_dataset, got "
-            f"{type(dataset).__name__}."
-        )
-    if ("input_ids" not in columns and "messages" not in columns) or "seq_lengths" not in columns:
-        raise PackingValueError(
-            f"`{name}` has columns {columns}, not packed rows (`input_ids` and `seq_lengths`). Tokenize and pack it "
-            "first: `pack_dataset(tokenized, max_length)`; or train it with trl.SFTTrainer, which prepares raw data."
-        )
 
 
 def _longest_row(dataset) -> int | None:
@@ -236,8 +297,8 @@ def _longest_row(dataset) -> int | None:
     return int(pc.max(lengths).as_py() or 0)
 
 
-def _several_documents_per_row(datasets_by_name: dict) -> bool:
-    for dataset in datasets_by_name.values():
+def _several_documents_per_row(datasets: list) -> bool:
+    for dataset in datasets:
         if not isinstance(dataset, Dataset):
             return True  # a stream's rows are not known yet
         if len(dataset) and pc.max(pc.list_value_length(dataset.data.column("seq_lengths"))).as_py() > 1:
