@@ -68,7 +68,7 @@ def test_settings_without_a_header_rule_are_planned_with_stand_ins(family, setti
 
 def test_a_processor_class_takes_its_base_class_rule():
     processor = tiny_processor("qwen2_vl")  # a subclass without the video processor
-    assert type(processor).__name__ == "Qwen2VLProcessorNoVideo"
+    assert type(processor).__name__ == "Qwen2VLProcessorWithout"
     assert header_rule(processor) is HEADER_RULES["Qwen2VLProcessor"]
 
 

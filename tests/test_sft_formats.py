@@ -9,11 +9,11 @@ label the loss reads (all but the first: the model shifts labels by one, and our
 label to -100 so that no document predicts the next one's start).
 """
 
-import math
 
 import pytest
 import torch
 from datasets import Dataset
+from loss_recording import LossRecordingPackedSFTTrainer, LossRecordingSFTTrainer, first_step_loss
 from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import SFTConfig, SFTTrainer
 
@@ -60,31 +60,6 @@ def tiny_model():
     return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
 
 
-class LossRecording:
-    """Keeps the loss of every training step (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if model.training:
-            self.losses.append(loss.item())
-        return loss
-
-
-class RecordingSFTTrainer(LossRecording, SFTTrainer):
-    pass
-
-
-class RecordingPackedSFTTrainer(LossRecording, PackedSFTTrainer):
-    pass
-
-
-def first_step_loss(trainer) -> float:
-    trainer.losses = []
-    trainer.train()
-    assert len(trainer.losses) == 1 and math.isfinite(trainer.losses[0])
-    return trainer.losses[0]
-
-
 def trained_documents(batch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Each document of a collated batch (TRL's padded rows, or our packed rows with an indexed mask) as its
     `input_ids` and the labels the loss reads (all but the first), sorted: packing reorders documents."""
@@ -105,12 +80,12 @@ def only_batch(trainer) -> dict:
 
 def train_both(tmp_path, tokenizer, dataset, packed_kwargs=None, **config):
     """TRL's unpacked run and ours on `dataset`: (first-step losses, trained documents, our trainer)."""
-    reference = RecordingSFTTrainer(
+    reference = LossRecordingSFTTrainer(
         model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path / "trl"), padding_free=False, **QUIET, **config),
         train_dataset=dataset, processing_class=tokenizer)
     expected_documents = trained_documents(only_batch(reference))
     expected_loss = first_step_loss(reference)
-    packed = RecordingPackedSFTTrainer(
+    packed = LossRecordingPackedSFTTrainer(
         model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path / "packed"), **QUIET, **config),
         train_dataset=dataset, processing_class=tokenizer, **(packed_kwargs or {}))
     batch = only_batch(packed)

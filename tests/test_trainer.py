@@ -2,12 +2,12 @@
 refuses), `PackedSFTTrainer` (exact: no row cut, documents isolated, same first-step loss as unpacked), and every
 setting that `PackedSFTTrainer` refuses, with its message."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset, load_from_disk
+from loss_recording import LossRecordingPackedSFTTrainer, LossRecordingSFTTrainer, first_step_loss
 from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -59,30 +59,6 @@ def tiny_model(attn_implementation="sdpa"):
 
 def first_batch(trainer) -> dict:
     return next(iter(trainer.get_train_dataloader()))
-
-
-class LossRecording:
-    """Keeps the loss of every training step (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.losses.append(loss.item())
-        return loss
-
-
-class LossRecordingSFTTrainer(LossRecording, SFTTrainer):
-    pass
-
-
-class LossRecordingPackedSFTTrainer(LossRecording, PackedSFTTrainer):
-    pass
-
-
-def first_step_loss(trainer) -> float:
-    trainer.losses = []
-    trainer.train()
-    assert all(math.isfinite(loss) for loss in trainer.losses)
-    return trainer.losses[0]
 
 
 def unpacked_first_loss(tmp_path, tokenizer, attn_implementation="sdpa") -> float:

@@ -53,7 +53,7 @@ def make_tokenizer(named: dict[str, str], extra=()) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _without(processor_class, *names):
+def without_sub_processors(processor_class, *names):
     """`processor_class` without the sub-processors `names` (video processors and audio feature extractors need
     torchvision or audio packages; the tiny documents hold images only)."""
 
@@ -71,8 +71,8 @@ def _without(processor_class, *names):
     return Without
 
 
-def _no_video(processor_class):
-    return _without(processor_class, "video_processor")
+def no_video(processor_class):
+    return without_sub_processors(processor_class, "video_processor")
 
 
 class PixtralStandIn:
@@ -152,7 +152,7 @@ SPECS = {
             "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
             "text_config": {"rope_parameters": _MROPE},
         },
-        "processor": lambda tok: _no_video(transformers.Qwen2VLProcessor)(_qwen_image_processor(), tok),
+        "processor": lambda tok: no_video(transformers.Qwen2VLProcessor)(_qwen_image_processor(), tok),
     },
     "qwen2_5_vl": {
         **_QWEN,
@@ -162,12 +162,12 @@ SPECS = {
                               "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]},
             "text_config": {"rope_parameters": _MROPE},
         },
-        "processor": lambda tok: _no_video(transformers.Qwen2_5_VLProcessor)(_qwen_image_processor(), tok),
+        "processor": lambda tok: no_video(transformers.Qwen2_5_VLProcessor)(_qwen_image_processor(), tok),
     },
     "qwen3_vl": {
         **_QWEN,
         "config": {"vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]}, "text_config": _QWEN3_TEXT},
-        "processor": lambda tok: _no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
+        "processor": lambda tok: no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
     },
     "qwen3_vl_moe": {
         **_QWEN,
@@ -175,18 +175,18 @@ SPECS = {
             "vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]},
             "text_config": {**_QWEN3_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
         },
-        "processor": lambda tok: _no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
+        "processor": lambda tok: no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
     },
     # Gated delta net + attention text model, tiny vision tower.
     "qwen3_5": {
         **_QWEN,
         "config": {"vision_config": _QWEN3_VISION, "text_config": _QWEN3_5_TEXT},
-        "processor": lambda tok: _no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
+        "processor": lambda tok: no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
     },
     "qwen3_5_moe": {
         **_QWEN,
         "config": {"vision_config": _QWEN3_VISION, "text_config": {**_QWEN3_5_TEXT, **_TINY_EXPERTS}},
-        "processor": lambda tok: _no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
+        "processor": lambda tok: no_video(transformers.Qwen3VLProcessor)(_qwen_image_processor(16), tok),
     },
     "glm4v": {
         "config": {
@@ -200,7 +200,7 @@ SPECS = {
                 "image_start_token_id": "<|begin_of_image|>", "image_end_token_id": "<|end_of_image|>",
                 "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"},
         "prompt": "<|begin_of_image|><|image|><|end_of_image|>",
-        "processor": lambda tok: _no_video(transformers.Glm4vProcessor)(transformers.Glm4vImageProcessorPil(
+        "processor": lambda tok: no_video(transformers.Glm4vProcessor)(transformers.Glm4vImageProcessorPil(
             size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}, patch_size=14, merge_size=2,
             temporal_patch_size=2), tok),
     },
@@ -233,7 +233,8 @@ SPECS = {
         "ids": {"image_token_id": "<|image|>", "boi_token_id": "<|image_start|>", "eoi_token_id": "<|image_end|>",
                 "video_token_id": "<|video|>"},
         "prompt": "<|image|>",
-        "processor": lambda tok: _without(transformers.Gemma4Processor, "feature_extractor", "video_processor")(
+        "processor": lambda tok: without_sub_processors(
+            transformers.Gemma4Processor, "feature_extractor", "video_processor")(
             None, transformers.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2),
             tok, None, image_seq_length=70),
     },
@@ -265,7 +266,7 @@ SPECS = {
         "config": {"vision_config": {"image_size": 56, "patch_size": 14}, "image_grid_pinpoints": _PINPOINTS},
         "tokens": {"image_token": "<image>", "video_token": "<video>"},
         "ids": {"image_token_id": "<image>", "video_token_id": "<video>"}, "prompt": "<image>",
-        "processor": lambda tok: _no_video(transformers.LlavaOnevisionProcessor)(
+        "processor": lambda tok: no_video(transformers.LlavaOnevisionProcessor)(
             transformers.LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56},
                                                          image_grid_pinpoints=_PINPOINTS),
             tok, num_image_tokens=16, vision_feature_select_strategy="full"),
@@ -304,7 +305,7 @@ SPECS = {
         "config": {"vision_config": {"image_size": 32, "patch_size": 16}, "scale_factor": 2},
         "tokens": {"image_token": "<image>"}, "extra": _IDEFICS3_EXTRA, "ids": {"image_token_id": "<image>"},
         "prompt": "<image>",
-        "processor": lambda tok: _no_video(transformers.SmolVLMProcessor)(
+        "processor": lambda tok: no_video(transformers.SmolVLMProcessor)(
             transformers.SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
             tok, None, image_seq_len=1),
     },
@@ -314,7 +315,7 @@ SPECS = {
         "tokens": {"start_image_token": "<img>", "end_image_token": "</img>",
                    "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         "ids": {"image_token_id": "<IMG_CONTEXT>"}, "prompt": "<IMG_CONTEXT>",
-        "processor": lambda tok: _no_video(transformers.InternVLProcessor)(
+        "processor": lambda tok: no_video(transformers.InternVLProcessor)(
             transformers.GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True,
                                                   min_patches=1, max_patches=4), tok, image_seq_length=1),
     },

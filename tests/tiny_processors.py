@@ -14,6 +14,7 @@ import os
 import matplotlib
 import transformers
 from PIL import Image
+from tiny_image_text import no_video, without_sub_processors
 
 from llm_packing.demo.chitchat import _mistral_vocab_and_merges
 
@@ -63,34 +64,6 @@ def make_tokenizer(named: dict[str, str], extra: list[str] = ()) -> transformers
     return tokenizer
 
 
-def _no_video(processor_class):
-    """The processor class without its video processor (a torchvision-only attribute)."""
-
-    class NoVideo(processor_class):
-        @classmethod
-        def get_attributes(cls):
-            return [name for name in super().get_attributes() if name != "video_processor"]
-
-    NoVideo.__name__ = processor_class.__name__ + "NoVideo"
-    return NoVideo
-
-
-def _without(processor_class, *names):
-    from transformers.processing_utils import ProcessorMixin
-
-    class DropNamed(ProcessorMixin):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{k: v for k, v in kwargs.items() if k not in names})
-
-    class Without(processor_class, DropNamed):
-        @classmethod
-        def get_attributes(cls):
-            return [name for name in super().get_attributes() if name not in names]
-
-    Without.__name__ = processor_class.__name__ + "Without"
-    return Without
-
-
 def _qwen_image_processor(patch_size=14):
     # Pixel budget small enough for tiny rows: images of 2 to 16 merged tokens.
     return transformers.Qwen2VLImageProcessorPil(
@@ -106,17 +79,17 @@ _IDEFICS3_EXTRA = (["<fake_token_around_image>", "<global-img>", "<end_of_uttera
 _PINPOINTS = [[56, 112], [112, 56], [112, 112]]
 
 SPECS = {
-    "qwen2_vl": dict(**_QWEN, processor=lambda tok: _no_video(transformers.Qwen2VLProcessor)(
+    "qwen2_vl": dict(**_QWEN, processor=lambda tok: no_video(transformers.Qwen2VLProcessor)(
         _qwen_image_processor(), tok)),
-    "qwen2_5_vl": dict(**_QWEN, processor=lambda tok: _no_video(transformers.Qwen2_5_VLProcessor)(
+    "qwen2_5_vl": dict(**_QWEN, processor=lambda tok: no_video(transformers.Qwen2_5_VLProcessor)(
         _qwen_image_processor(), tok)),
-    "qwen3_vl": dict(**_QWEN, processor=lambda tok: _no_video(transformers.Qwen3VLProcessor)(
+    "qwen3_vl": dict(**_QWEN, processor=lambda tok: no_video(transformers.Qwen3VLProcessor)(
         _qwen_image_processor(16), tok)),
     "glm4v": {
         "tokens": {"image_token": "<|image|>", "video_token": "<|video|>"},
         "extra": ["<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"],
         "prompt": "<|begin_of_image|><|image|><|end_of_image|>",
-        "processor": lambda tok: _no_video(transformers.Glm4vProcessor)(transformers.Glm4vImageProcessorPil(
+        "processor": lambda tok: no_video(transformers.Glm4vProcessor)(transformers.Glm4vImageProcessorPil(
             size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}, patch_size=14, merge_size=2,
             temporal_patch_size=2), tok),
     },
@@ -135,7 +108,7 @@ SPECS = {
     },
     "llava_onevision": {
         "tokens": {"image_token": "<image>", "video_token": "<video>"}, "prompt": "<image>",
-        "processor": lambda tok: _no_video(transformers.LlavaOnevisionProcessor)(
+        "processor": lambda tok: no_video(transformers.LlavaOnevisionProcessor)(
             transformers.LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56},
                                                          image_grid_pinpoints=_PINPOINTS),
             tok, num_image_tokens=16, vision_feature_select_strategy="full"),
@@ -157,7 +130,7 @@ SPECS = {
         "tokens": {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                 "video_token": "<video>"},
         "prompt": "<IMG_CONTEXT>",
-        "processor": lambda tok: _no_video(transformers.InternVLProcessor)(
+        "processor": lambda tok: no_video(transformers.InternVLProcessor)(
             transformers.GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True,
                                                   min_patches=1, max_patches=4), tok, image_seq_length=1),
     },
@@ -179,7 +152,8 @@ SPECS = {
         "tokens": {"image_token": "<|image|>", "boi_token": "<|image_start|>", "eoi_token": "<|image_end|>",
                 "audio_token": "<|audio|>", "boa_token": "<|audio_start|>", "eoa_token": "<|audio_end|>"},
         "extra": ["<|video|>"], "prompt": "<|image|>",
-        "processor": lambda tok: _without(transformers.Gemma4Processor, "feature_extractor", "video_processor")(
+        "processor": lambda tok: without_sub_processors(
+            transformers.Gemma4Processor, "feature_extractor", "video_processor")(
             None, transformers.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2),
             tok, None, image_seq_length=70),
     },
