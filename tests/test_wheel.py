@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD_INPUTS = ("llm_packing", "setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md")
+BUILD_INPUTS = ("llm_packing", "setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE")
 PACK_AND_REPORT = textwrap.dedent("""
     import importlib.util, json, sys
     import llm_packing
@@ -71,6 +71,7 @@ def test_wheel_installs_clean(tmp_path):
     assert [module for module in modules if module not in in_wheel] == []
     assert [module for module in modules if module not in in_sdist] == []
     assert "llm-packing = llm_packing.cli:main" in entry_points
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in in_wheel) and "LICENSE" in in_sdist
 
     venv = tmp_path / "venv"
     python, pip, console = (str(venv / "bin" / name) for name in ("python", "pip", "llm-packing"))
