@@ -20,6 +20,7 @@ import uuid
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..core.checks import check_choice, check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
@@ -155,8 +156,7 @@ def pack_dataset_on_ray(
 def read_packed_on_ray(output_dir: str):
     """
     The shards that [`pack_dataset_on_ray`] wrote to `output_dir`, as a `ray.data.Dataset`, e.g. for Ray Train:
-    Arrow shards in blocks of about 100,000 rows, in order; Parquet shards by `ray.data.read_parquet`, in the order
-    Ray reads them (in order with `DataContext.get_current().execution_options.preserve_order = True`).
+    Arrow and Parquet shards alike, in blocks of about 100,000 rows (Parquet: whole row groups), in order.
     """
     ray = _import_ray()
     for output_format in OUTPUT_FORMATS:
@@ -166,9 +166,7 @@ def read_packed_on_ray(output_dir: str):
     else:
         raise PackingValueError(f"`output_dir`={output_dir!r} holds no complete set of packed shards "
                                 f"({_STEM}_00000_of_N.arrow or .parquet). Pack into it with `pack_dataset_on_ray`.")
-    if output_format == "parquet":
-        return ray.data.read_parquet(paths)
-    return ray.data.from_arrow_refs([block for path in paths for block in _arrow_blocks(ray, path)])
+    return ray.data.from_arrow_refs(_file_blocks(ray, paths))
 
 
 def load_packed(output_dir: str, max_length: int) -> tuple[datasets.Dataset, PackingStats]:
@@ -242,14 +240,37 @@ def _arrow_batches(path: str) -> _Batches:
     return batches
 
 
-def _arrow_blocks(ray, path: str) -> list:
-    """One Arrow file as blocks of about `_BLOCK_ROWS` rows, each read by a task."""
-    rows = np.cumsum([batch.num_rows for batch in _arrow_batches(path)])
+def _read_parquet(path: str, first: int = 0, last: int | None = None) -> pa.Table:
+    """Row groups `[first, last)` of a Parquet file."""
+    parquet = pq.ParquetFile(path)
+    return parquet.read_row_groups(range(first, parquet.num_row_groups if last is None else last))
+
+
+def _file_blocks(ray, paths: list[str]) -> list:
+    """Arrow or Parquet files as blocks of about `_BLOCK_ROWS` rows (whole record batches or row groups), in order,
+    each read by a task. Read here rather than by `ray.data.read_parquet`, whose file listing imports fsspec's HTTP
+    filesystem on several threads of a worker at once: without aiohttp, one of them could fail with an ImportError
+    (a reading in the suite did)."""
+    blocks = []
+    for path in paths:
+        if path.endswith(".parquet"):
+            metadata = pq.ParquetFile(path).metadata
+            counts = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+            read = _remote(ray, _read_parquet)
+        else:
+            counts = [batch.num_rows for batch in _arrow_batches(path)]
+            read = _remote(ray, _read_arrow)
+        bounds = _block_bounds(counts)
+        blocks += [read.remote(path, first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True)]
+    return blocks
+
+
+def _block_bounds(counts: list[int]) -> list[int]:
+    """Where to cut a file's record batches (or row groups) of `counts` rows into blocks of about `_BLOCK_ROWS`."""
+    rows = np.cumsum(counts)
     cuts = np.unique(np.searchsorted(rows, np.arange(_BLOCK_ROWS, int(rows[-1]) if len(rows) else 0, _BLOCK_ROWS),
                                      side="left") + 1)
-    bounds = [0, *[int(cut) for cut in cuts if cut < len(rows)], len(rows)]
-    read = _remote(ray, _read_arrow)
-    return [read.remote(path, first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [0, *[int(cut) for cut in cuts if cut < len(rows)], len(rows)]
 
 
 def _input_blocks(ray, dataset) -> list:
@@ -271,15 +292,7 @@ def _input_blocks(ray, dataset) -> list:
             f"`dataset` must be a ray.data.Dataset or Parquet or Arrow files (one kind), got {dataset!r} (files with "
             f"suffixes {sorted(kinds)}). Read other formats with ray.data first."
         )
-    if kinds == {".arrow"}:
-        return [block for path in files for block in _arrow_blocks(ray, path)]
-    context = ray.data.DataContext.get_current()
-    preserve_order = context.execution_options.preserve_order
-    context.execution_options.preserve_order = True  # rows numbered in the order of the files
-    try:
-        return ray.data.read_parquet(files).to_arrow_refs()
-    finally:
-        context.execution_options.preserve_order = preserve_order
+    return _file_blocks(ray, files)  # rows numbered in the order of the files
 
 
 def _block_names(blocks: list) -> list[str]:
