@@ -158,7 +158,7 @@ def _count_calls(calls, monkeypatch, module, name, mapping=None):
 # flex_attention runs a sample of them, without the prefix checks of its references (its eager and sdpa twins check
 # the architecture's): past dynamo's recompile limit flex runs uncompiled on CPU, about 0.1 s of CPU a forward against
 # 0.01 s on eager or sdpa, and every layout on flex cost 4.3 more CPU-minutes per CI pass (measured on 16 types): 2
-# layouts in every pass and 3 more in the slow suite (flex took half of the slow suite's random layouts at 5).
+# layouts in every pass and 3 more in the slow suite.
 RANDOM_LAYOUTS = (ISSUE_25_LAYOUT, *map(draw_layout, range(3)))
 MORE_RANDOM_LAYOUTS = tuple(map(draw_layout, range(3, 20)))
 FLEX_RANDOM_LAYOUTS = RANDOM_LAYOUTS[:2]
