@@ -19,3 +19,10 @@ def test_metadata_minimum_is_the_hooks_minimum():
     assert Version(minimum) == Version(_compat.MIN_TRANSFORMERS_VERSION)
     assert Version(_compat.MIN_TRANSFORMERS_VERSION) <= Version(_compat.MAX_TESTED_TRANSFORMERS_VERSION)
 
+
+def test_every_fact_holds_exactly_on_its_releases():
+    """Each fact's probe of the installed transformers agrees with the releases the table gives it: run on every
+    release of `.ci/transformers-range`, this keeps the table true."""
+    wrong = {name: (fact.since, fact.until, fact.probe()) for name, fact in _compat.FACTS.items()
+             if fact.probe() != fact.holds()}
+    assert not wrong, f"transformers {_compat.TRANSFORMERS_VERSION}: {wrong}"
