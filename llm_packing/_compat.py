@@ -21,7 +21,8 @@ from .errors import IncompatibleTransformersError
 MASK_BUILDER_NAMES = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 # The releases the parity matrix runs on (`.ci/transformers-range`: the oldest and the newest by default, any list of
-# releases on request). 5.17 fails it (8 fast and 2 slow cases) and 5.10 cannot build the tiny models, so 5.18 is the
+# releases on request). 5.17 fails it (the FlashAttention path of gpt_oss, granite_swa, granitemoe_swa,
+# minimax_m3_vl_text and moshi; moshi on eager and flex_attention) and 5.10 fails at test collection: 5.18 is the
 # floor. What differs between the admitted releases is in `FACTS` below; which model types each has is read from the
 # installed transformers (`hook.support.architectures.supported_model_types`), and what a release is too old for is
 # in `hook.support.releases`. Above the maximum we still run, after the internals check below, and warn once.

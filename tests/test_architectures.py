@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from llm_packing import _compat
 from llm_packing.errors import UnsupportedSetupError
 from llm_packing.hook.mixers import MIXERS
-from llm_packing.hook.support import matrix as support_matrix
+from llm_packing.hook.support import architectures, matrix as support_matrix, releases
 from llm_packing.hook.support.architectures import (
     REFUSED_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
@@ -138,6 +138,27 @@ def test_every_exact_cell_is_a_run_of_the_parity_or_flash_matrix():
             assert cells[model_type, "flash_attention_2"] == cell.replace("inferred", "exact", 1), model_type
     inferred = sum(cell.startswith("inferred") for cell in cells.values())
     assert 0 < inferred < len(supported_model_types())
+
+
+def test_a_proven_type_the_installed_release_lacks_is_refused_with_the_reason(monkeypatch):
+    """On an older admitted transformers, a type a later release added is refused, saying so, and listed as refused
+    in the support table."""
+    classes = {t: name for t, name in causal_lm_classes().items() if t != "llama"}  # as if this release lacked it
+    monkeypatch.setattr(architectures, "_causal_lm_classes", lambda: classes)
+    reason = refusal_reason("llama")
+    assert reason.startswith(f"not in transformers {_compat.TRANSFORMERS_VERSION} (a later release has it")
+    monkeypatch.setattr(architectures, "_refused_model_types", architectures._refused_model_types.__wrapped__)
+    assert architectures._refused_model_types()["llama"] == reason
+
+
+def test_a_backend_an_older_release_cannot_build_is_not_available_there(monkeypatch):
+    """falcon's flash_attention_3 before transformers 5.23 (KeyError in transformers): n/a, with the reason."""
+    monkeypatch.setattr(releases, "TRANSFORMERS_VERSION", Version("5.18.0"))
+    assert not architectures.backend_available("falcon", "flash_attention_3")
+    assert support_matrix._cell("falcon", "flash_attention_3").startswith("n/a (before transformers 5.23.0: Falcon")
+    assert architectures.backend_available("falcon", "flash_attention_2")
+    monkeypatch.setattr(releases, "TRANSFORMERS_VERSION", Version("5.23.0"))
+    assert architectures.backend_available("falcon", "flash_attention_3")
 
 
 def test_flash_cells_name_the_kernel_transformers_loads_instead():

@@ -33,7 +33,7 @@ from llm_packing.hook.support.architectures import (
     backend_available,
     supported_model_types,
 )
-from llm_packing.hook.support.releases import BACKENDS_FROM
+from llm_packing.hook.support.releases import backend_too_old
 
 
 TOLERANCE = 1e-5
@@ -283,9 +283,10 @@ def _assert_packed_equals_separate(model, model_type, **overrides):
 def _assert_no_flash_attention(build, model_type, backend):
     """transformers offers no FlashAttention for this architecture: it refuses to build the model, or builds it on a
     kernel of the model's own choosing (`_compatible_flash_implementations`: minimax_m3_vl_text's block-sparse MSA,
-    which ignores the attention mask), which the hook must refuse. Before a release of `BACKENDS_FROM`, transformers
-    fails to build it (falcon on flash_attention_3 before 5.23: KeyError)."""
-    if (model_type, backend) in BACKENDS_FROM:
+    which ignores the attention mask), which the hook must refuse. On a release too old for it
+    (`hook.support.releases.BACKENDS_FROM`), transformers fails to build it (falcon on flash_attention_3 before 5.23:
+    KeyError)."""
+    if backend_too_old(model_type, backend):
         with pytest.raises(KeyError, match=backend):
             build(model_type, backend)
         return

@@ -27,6 +27,7 @@ from .image_text import (
     refused_image_text_model_types,
     supported_image_text_model_types,
 )
+from .releases import backend_too_old
 
 
 def _flash_substitute(model_type: str, backend: str) -> str | None:
@@ -37,6 +38,8 @@ def _flash_substitute(model_type: str, backend: str) -> str | None:
 
 
 def _cell(model_type: str, backend: str) -> str:
+    if too_old := backend_too_old(model_type, backend):
+        return f"n/a ({too_old})"
     if not backend_available(model_type, backend):
         return "n/a"
     if (model_type, backend) in REFUSED_BACKENDS:
