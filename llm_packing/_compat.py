@@ -4,8 +4,11 @@ Each fact says what we depend on, since when it holds, and when the check can go
 `IncompatibleTransformersError`: a patch that silently stops working is the bug this library exists to prevent.
 """
 
+import dataclasses
+import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 
 import transformers
 from packaging.version import Version
@@ -17,11 +20,13 @@ from .errors import IncompatibleTransformersError
 # architecture is a candidate only if its modeling module builds its mask through one of them.
 MASK_BUILDER_NAMES = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
-# The versions the parity matrix has run against. Below the minimum the builders had other signatures
-# (`cache_position` until 5.9), no packed-sequence support for sdpa/eager/flex (before 5.23), and other model types
-# (5.24 added seven causal LMs; the architecture table is that of 5.24); above the maximum we still run, after the
-# internals check below, and warn once.
-MIN_TRANSFORMERS_VERSION = "5.24.0"
+# The releases the parity matrix runs on (`.ci/transformers-range`: the oldest and the newest by default, any list of
+# releases on request). 5.17 fails it (the FlashAttention path of gpt_oss, granite_swa, granitemoe_swa,
+# minimax_m3_vl_text and moshi; moshi on eager and flex_attention) and 5.10 fails at test collection: 5.18 is the
+# floor. What differs between the admitted releases is in `FACTS` below; which model types each has is read from the
+# installed transformers (`hook.support.architectures.supported_model_types`), and what a release is too old for is
+# in `hook.support.releases`. Above the maximum we still run, after the internals check below, and warn once.
+MIN_TRANSFORMERS_VERSION = "5.18.0"
 MAX_TESTED_TRANSFORMERS_VERSION = "5.24.0"
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -70,6 +75,145 @@ def rename_legacy_cache_argument(kwargs: dict, signature: inspect.Signature) -> 
     kwargs = dict(kwargs)
     kwargs[current] = kwargs.pop(legacy[0])
     return kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """
+    An internal of transformers that the hook relies on or works around, and the releases it holds on.
+
+    Args:
+        what (`str`):
+            The internal, and what changed.
+        since (`str` or `None`):
+            First release it holds on; `None`: it already holds on `MIN_TRANSFORMERS_VERSION`.
+        until (`str` or `None`):
+            Last minor release it holds on (`"5.23"`: every 5.23.x); `None`: it still holds on the newest tested.
+            A fact with an `until` can go once the minimum passes it.
+        probe (`Callable[[], bool]`):
+            Reads the installed transformers; `tests/test_compat.py` asserts, on every release CI runs, that the
+            probe agrees with the range, so the table cannot drift from what is installed.
+
+    Example:
+    ```python
+    >>> from packaging.version import Version
+    >>> from llm_packing._compat import FACTS
+    >>> fact = FACTS["packed_mask_remaps_positions"]
+    >>> fact.holds(Version("5.22.2")), fact.holds(Version("5.23.0"))
+    (False, True)
+
+    ```
+    """
+
+    what: str
+    since: str | None
+    until: str | None
+    probe: Callable[[], bool]
+
+    def holds(self, version: Version | None = None) -> bool:
+        """Whether the fact holds on `version` by its range (default: the installed transformers)."""
+        version = TRANSFORMERS_VERSION if version is None else version
+        return (self.since is None or version >= Version(self.since)) and (
+            self.until is None or version < _next_minor(self.until)
+        )
+
+
+def _next_minor(version: str) -> Version:
+    major, minor = Version(version).release[:2]
+    return Version(f"{major}.{minor + 1}.0")
+
+
+def _masking_has(*names: str) -> Callable[[], bool]:
+    return lambda: all(hasattr(importlib.import_module("transformers.masking_utils"), name) for name in names)
+
+
+def _builder_cache_name() -> str | None:
+    from transformers import masking_utils
+
+    return cache_parameter(masking_utils.create_causal_mask)
+
+
+def _mixer_cache_name() -> str | None:
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    return cache_parameter(MambaMixer.forward)
+
+
+def _builders_take_parameters() -> bool:
+    from transformers import masking_utils
+
+    return all(p in inspect.signature(masking_utils.create_causal_mask).parameters for p in MASK_BUILDER_PARAMETERS)
+
+
+def _upad_looks_up_get_unpad_data() -> bool:
+    from transformers import modeling_flash_attention_utils as flash
+
+    return hasattr(flash, "_get_unpad_data") and "_get_unpad_data" in flash._upad_input.__code__.co_names
+
+
+def packed_mask_remaps_positions() -> bool:
+    """Whether transformers' packed-sequence masks (built from `position_ids` when `attention_mask` is None) hand the
+    mask functions each token's position within its document (`remap_positions_for_packed_sequence`, 5.23+). Before,
+    they AND a document mask onto functions of the row position: exact for causal and sliding windows, but chunked
+    attention cuts chunks along the row, so `hook.chunked` builds per-document chunks itself there."""
+    return _masking_has("remap_positions_for_packed_sequence")()
+
+
+def layers_checkpoint_in_call() -> bool:
+    """Whether `GradientCheckpointingLayer` checkpoints in `__call__` (transformers < 5.23) rather than by wrapping
+    each subclass's `forward` (5.23+, which `hook.mixers` relies on to checkpoint each document group)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" in GradientCheckpointingLayer.__dict__
+
+
+# Read from the wheels' sources of 5.9.0 to 5.24.0 and probed on each admitted minor (newest patch).
+FACTS: dict[str, Fact] = {
+    "builders_take_position_ids": Fact(
+        "the mask builders take config, inputs_embeds, attention_mask, position_ids (`cache_position` went in 5.9)",
+        None, None, _builders_take_parameters,
+    ),
+    "builders_cache_is_past_key_values": Fact(
+        "the mask builders' cache argument is `past_key_values`", None, "5.23",
+        lambda: _builder_cache_name() == "past_key_values",
+    ),
+    "builders_cache_is_cache": Fact(
+        "the mask builders' cache argument is `cache` (`past_key_values` a deprecated alias until 5.40)", "5.24.0",
+        None, lambda: _builder_cache_name() == "cache",
+    ),
+    "mixers_cache_is_cache": Fact(
+        "SSM/delta-net mixers take `cache` (before: `cache_params`, short convolutions `past_key_values`)", "5.24.0",
+        None, lambda: _mixer_cache_name() == "cache",
+    ),
+    "packed_position_ids_masked": Fact(
+        "with `attention_mask=None` and no cache, eager/sdpa/flex masks isolate the sequences that `position_ids` "
+        "restarts mark (`find_packed_sequence_indices`, `packed_sequence_mask_function`)",
+        None, None, _masking_has("find_packed_sequence_indices", "packed_sequence_mask_function"),
+    ),
+    "packed_mask_remaps_positions": Fact(
+        "packed masks hand mask functions each token's position in its document "
+        "(`remap_positions_for_packed_sequence`): chunked attention chunks per document; before, along the row, "
+        "and `hook.chunked` does it", "5.23.0", None, packed_mask_remaps_positions,
+    ),
+    "upad_input_looks_up_get_unpad_data": Fact(
+        "FlashAttention's `_upad_input` calls the module-global `_get_unpad_data(attention_mask)`", None, None,
+        _upad_looks_up_get_unpad_data,
+    ),
+    "mask_registries": Fact(
+        "`ALL_MASK_ATTENTION_FUNCTIONS`, `flash_attention_mask` and `LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING` in "
+        "masking_utils", None, None,
+        _masking_has("ALL_MASK_ATTENTION_FUNCTIONS", "flash_attention_mask", "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING"),
+    ),
+    "recurrent_attention_mask": Fact(
+        "hybrid models hand their mixers the 2-D mask through `create_recurrent_attention_mask` (5.13+)", None, None,
+        _masking_has("create_recurrent_attention_mask"),
+    ),
+    "layers_checkpoint_in_forward": Fact(
+        "`GradientCheckpointingLayer` checkpoints by wrapping each subclass's `forward`; before, in `__call__`, "
+        "which `hook.mixers` bypasses for re-batched blocks (RWKV, xLSTM)", "5.23.0", None,
+        lambda: not layers_checkpoint_in_call(),
+    ),
+}
 
 
 _warned_untested = False

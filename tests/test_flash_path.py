@@ -33,6 +33,7 @@ from llm_packing.hook.support.architectures import (
     backend_available,
     supported_model_types,
 )
+from llm_packing.hook.support.releases import backend_too_old
 
 
 TOLERANCE = 1e-5
@@ -170,8 +171,9 @@ def flash_model(monkeypatch):
             monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, implementation, mask)
         return reference_dense, reference_varlen, None, flash_utils._pad_input, flash_utils._unpad_input
 
-    for name in (*_LOADED_KERNEL, "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"):
+    for name in (*_LOADED_KERNEL, "_process_flash_kwargs_fn"):
         monkeypatch.setattr(flash_utils, name, None)
+    monkeypatch.setattr(flash_utils, "_process_with_kvcache_kwargs_fn", None, raising=False)  # transformers 5.19+
     monkeypatch.setattr(flash_utils, "_lazy_imports", load_reference)
     # The model-building checks: flash-attn counts as installed (so no hub-kernel fallback is tried), with no import
     # error; whether the architecture supports FlashAttention at all is still transformers' own check.
@@ -281,7 +283,13 @@ def _assert_packed_equals_separate(model, model_type, **overrides):
 def _assert_no_flash_attention(build, model_type, backend):
     """transformers offers no FlashAttention for this architecture: it refuses to build the model, or builds it on a
     kernel of the model's own choosing (`_compatible_flash_implementations`: minimax_m3_vl_text's block-sparse MSA,
-    which ignores the attention mask), which the hook must refuse."""
+    which ignores the attention mask), which the hook must refuse. On a release too old for it
+    (`hook.support.releases.BACKENDS_FROM`), transformers fails to build it (falcon on flash_attention_3 before 5.23:
+    KeyError)."""
+    if backend_too_old(model_type, backend):
+        with pytest.raises(KeyError, match=backend):
+            build(model_type, backend)
+        return
     try:
         model = build(model_type, backend)
     except ValueError as error:

@@ -2,6 +2,7 @@
 every backend, and `unconfigure_packing()` undoes it.
 
 - `configure`: configure / unconfigure, the mask-builder wrappers and the backend routes;
+- `chunked`: chunked attention per document on transformers < 5.23, whose packed masks chunk along the row;
 - `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
 - `varlen`: sdpa's per-document route without an `L x L` mask;
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;

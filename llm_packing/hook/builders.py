@@ -20,7 +20,7 @@ import torch
 
 from .. import _compat
 from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
-from . import mask_functions, registry, varlen
+from . import chunked, mask_functions, registry, varlen
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
 
@@ -99,7 +99,7 @@ def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
     documents = documents_of(attention_mask)
     arguments["attention_mask"] = None
     arguments["position_ids"] = documents.derived("position_ids", lambda: document_position_ids(attention_mask))
-    mask = original(*bound.args, **bound.kwargs)
+    mask = chunked.per_document_builder(original)(*bound.args, **bound.kwargs)
     if isinstance(mask, torch.Tensor):
         documents.add_prepared_mask(mask)
     return _mark_prepared(mask)

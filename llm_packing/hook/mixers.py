@@ -163,6 +163,11 @@ def patch_mixers(model_type: str) -> None:
     for cls in mixer_classes(model_type):
         if not registry.is_ours(cls.forward):
             registry.replace_attribute(cls, "forward", registry.ours(_wrap_forward(cls.forward, calls[cls.__name__])))
+        if _compat.layers_checkpoint_in_call() and _is_checkpointing_layer(cls) and not registry.is_ours(cls.__call__):
+            # Before 5.23 `GradientCheckpointingLayer.__call__` checkpoints the whole packed call, whose backward
+            # recompute runs outside the model call (no recorded mask: the packed row as one sequence). Bypass it, so
+            # that `_checkpointing` checkpoints each document group, as transformers' `forward` wrapper does since.
+            registry.replace_attribute(cls, "__call__", _call_without_checkpointing)
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
         if not registry.is_ours(cls.__call__):
@@ -306,6 +311,19 @@ def _checkpointing(forward, module):
     inner = getattr(forward, "__wrapped__", forward)  # the class's forward inside transformers' checkpointing wrapper
     active = module.gradient_checkpointing and module.training and torch.is_grad_enabled()
     return inner, module._gradient_checkpointing_func if active else None
+
+
+def _is_checkpointing_layer(cls: type) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return issubclass(cls, GradientCheckpointingLayer)
+
+
+@registry.ours
+def _call_without_checkpointing(self, *args, **kwargs):
+    """`nn.Module.__call__`, in place of `GradientCheckpointingLayer.__call__` on transformers < 5.23 (see
+    `patch_mixers`)."""
+    return torch.nn.Module.__call__(self, *args, **kwargs)
 
 
 def _var_keyword(signature: inspect.Signature) -> str:

@@ -16,10 +16,11 @@ import importlib.util
 import os
 import re
 
-from ..._compat import MASK_BUILDER_NAMES
+from ..._compat import MASK_BUILDER_NAMES, TRANSFORMERS_VERSION
 from ...errors import UnsupportedSetupError
 from .image_text import PROVEN_IMAGE_TEXT_TYPES
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
+from .releases import backend_too_old
 from .table import (
     REFUSED_BACKENDS,
     REFUSED_CANDIDATES,
@@ -87,6 +88,8 @@ def _modeling_source(model_type: str) -> str | None:
 def _scan_reason(model_type: str) -> str | None:
     """Why the source scan rules `model_type` out, or None if it is a candidate."""
     if model_type not in _causal_lm_classes():
+        if model_type in VERIFIED_MODEL_TYPES:  # proven on a newer release
+            return f"not in transformers {TRANSFORMERS_VERSION} (a later release has it; the matrix proved it there)"
         return "not a causal LM in the installed transformers (no entry in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
     source = _modeling_source(model_type)
     if source is None:
@@ -141,7 +144,9 @@ def refusal_reason(model_type: str) -> str | None:
 
 @functools.cache
 def _refused_model_types() -> dict[str, str]:
-    refused = {t: reason for t in _causal_lm_classes() if (reason := refusal_reason(t)) is not None}
+    # Proven types an older transformers lacks are listed too: on that release they are refused, and say why.
+    known = set(_causal_lm_classes()) | VERIFIED_MODEL_TYPES
+    refused = {t: reason for t in known if (reason := refusal_reason(t)) is not None}
     refused.update(REFUSED_CANDIDATES)
     return dict(sorted(refused.items()))
 
@@ -237,6 +242,8 @@ def _causal_lm_class(model_type: str):
 
 def backend_available(model_type: str, backend: str) -> bool:
     """Whether transformers itself offers `backend` for `model_type`'s causal LM class (imports that class)."""
+    if backend_too_old(model_type, backend) is not None:
+        return False
     flag = _BACKEND_FLAGS[backend]
     return flag is None or bool(getattr(_causal_lm_class(model_type), flag, False))
 
