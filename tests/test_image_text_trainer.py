@@ -115,3 +115,14 @@ def test_a_conversation_too_long_once_images_are_expanded_is_refused_before_trai
                                                 r"expanded"):
         PackedSFTTrainer(model=tiny_image_text_model(FAMILY, processor), args=config(2, max_length=40),
                          train_dataset=conversations(), processing_class=processor)
+
+
+def test_the_trainers_overflow_reaches_image_text_packing(unconfigure_after):
+    # overflow="drop": the conversations too long for 40 tokens once their images are expanded are left out, counted.
+    processor = tiny_processor(FAMILY)
+    trainer = PackedSFTTrainer(model=tiny_image_text_model(FAMILY, processor), args=config(2, max_length=40),
+                               train_dataset=conversations(), processing_class=processor, overflow="drop",
+                               verify_packing=False)
+    kept = sum(len(lengths) for lengths in trainer.train_dataset["seq_lengths"])
+    assert 0 < kept < len(conversations())
+    assert max(sum(lengths) for lengths in trainer.train_dataset["seq_lengths"]) <= 40
