@@ -70,8 +70,9 @@ def support_matrix_markdown() -> str:
         "release.",
         "",
         "`exact`: packed logits equal separate-document logits within 1e-5 (float32). `tests/test_parity.py` runs "
-        "eager, sdpa and flex_attention on CPU (per-token losses too), on a fixed layout, on issue 25's row and on 20 "
-        "layouts drawn at random (`tests/random_layouts.py`); `tests/test_flash_path.py` runs transformers' "
+        "eager, sdpa and flex_attention on CPU (per-token losses too), on a fixed layout, on issue 25's row and on 12 "
+        "layouts drawn at random (`tests/random_layouts.py`; 20 in `benchmarks/results/random_parity.md`); "
+        "`tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
         "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3. `inferred`: not run; "
         "flash_attention_3 takes flash_attention_2's path with another kernel (the test asserts it), so the cell "
