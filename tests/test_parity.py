@@ -106,6 +106,16 @@ def static_flex_compile():
         yield
 
 
+@pytest.fixture
+def uncompiled_flex():
+    # The random layouts' shapes make compiled flex_attention on CPU fail to build some kernels even with static
+    # shapes (llama4_text's chunked mask: a CppCompileError in torch 2.13's inductor, in a fresh process); the suite
+    # passed only because earlier tests had used up dynamo's recompile limit, after which flex runs uncompiled. Run it
+    # uncompiled from the start, whatever ran before (the fixed matrix above keeps the compiled path).
+    with torch._dynamo.config.patch(recompile_limit=0):
+        yield
+
+
 @pytest.mark.parametrize(("model_type", "backend", "route"), MATRIX)
 def test_packed_batch_equals_separate_documents(model_type, backend, route, static_flex_compile, monkeypatch):
     if not backend_available(model_type, backend):
@@ -168,7 +178,7 @@ PACKED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
-def test_random_layouts_equal_separate_documents(model_type, static_flex_compile):
+def test_random_layouts_equal_separate_documents(model_type, uncompiled_flex):
     """Every supported type on every backend and sdpa route that transformers offers and the hook does not refuse (the
     fixed matrix above asserts those refusals): every document of issue 25's row and of 3 drawn layouts (2 of these 4
     on flex_attention) gives the logits and per-token losses of the document run alone."""
@@ -177,7 +187,7 @@ def test_random_layouts_equal_separate_documents(model_type, static_flex_compile
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", supported_model_types())
-def test_more_random_layouts_equal_separate_documents(model_type, static_flex_compile):
+def test_more_random_layouts_equal_separate_documents(model_type, uncompiled_flex):
     _assert_layouts_exact(model_type, MORE_RANDOM_LAYOUTS, MORE_FLEX_RANDOM_LAYOUTS)
 
 
