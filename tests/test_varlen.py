@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -110,14 +111,12 @@ def test_gradients_equal_the_dense_route():
     assert (gradients["varlen"] - gradients["dense"]).abs().max() <= 1e-5
 
 
-def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
-    """On CUDA in half precision the route calls `torch.nn.attention.varlen.varlen_attn` once per layer over every
-    document. The stand-in has its exact signature and computes it with per-document SDPA on CPU."""
-    calls = []
+def _varlen_stand_in(calls: list):
+    """torch's `varlen_attn` (its exact signature), computed with per-document SDPA on CPU."""
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-        calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa))
+        calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa, key.shape[1]))
         assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size[1] == 0
         outputs = []
         for start, end in itertools.pairwise(cu_seq_q.tolist()):
@@ -131,25 +130,60 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch):
             outputs.append(out[0].transpose(0, 1))
         return torch.cat(outputs)
 
+    return varlen_attn
+
+
+def _without_enable_gqa(function):
+    """The stand-in with torch 2.11's signature: no `enable_gqa` (passing it raised TypeError on an H100)."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        assert query.shape[1] == key.shape[1] == value.shape[1]  # heads repeated for grouped-query attention
+        return function(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("torch_signature", ["2.13", "2.11"])
+def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch, torch_signature):
+    """On CUDA in half precision the route calls `torch.nn.attention.varlen.varlen_attn` once per layer over every
+    document, with the signature the installed torch has: 2.11's takes no `enable_gqa`, so grouped-query key and value
+    heads are repeated instead."""
     from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
 
     def parameters(function):
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
-    assert parameters(varlen_attn) == parameters(torch_varlen_attn)
+    calls = []
+    stand_in = _varlen_stand_in(calls)
+    assert parameters(stand_in) == parameters(torch_varlen_attn)
+    if torch_signature == "2.11":
+        stand_in = _without_enable_gqa(stand_in)
     model = tiny_model("qwen2", "sdpa")
     batch = packed_batch()
     with packing_configured(model), torch.no_grad():
         expected = model(**{key: batch[key] for key in INPUTS}).logits
         monkeypatch.setattr(varlen, "_use_torch_varlen", lambda *args: True)
-        monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+        monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: stand_in)
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
-    assert {window for _, _, window, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
+    assert {window for _, _, window, _, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
     longest = max(max(lengths) for lengths in ((5, 1, 7, 3), (9, 2, 1, 6)))
-    assert all(gqa for *_, gqa in calls) and calls[0][1] == longest
+    assert calls[0][1] == longest
+    kv_heads = model.config.num_key_value_heads
+    if torch_signature == "2.13":
+        assert all(gqa and heads == kv_heads for *_, gqa, heads in calls)
+    else:
+        assert all(not gqa and heads == model.config.num_attention_heads for *_, gqa, heads in calls)
     real = batch["attention_mask"] > 0
     assert (logits - expected)[real].abs().max() <= 1e-5
+
+
+def test_a_torch_without_varlen_attn_takes_the_per_document_route(monkeypatch):
+    cuda_half = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 4, 8))  # what the check reads
+    assert varlen._use_torch_varlen(cuda_half, cuda_half, cuda_half, 0.0)
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: None)
+    assert not varlen._use_torch_varlen(cuda_half, cuda_half, cuda_half, 0.0)
 
 
 class TestRouteSwitch:

@@ -13,6 +13,7 @@ document into chunk-sized pieces, each attended causally. What SDPA cannot expre
 position biases) keeps the dense route: see `llm_packing.hook.support.architectures.sdpa_route`.
 """
 
+import inspect
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -141,11 +142,7 @@ def packed_sdpa_attention(
             for tensor in (query, key, value)]
     if _use_torch_varlen(query, key, value, dropout):
         tokens = [tensor.index_select(0, mask.destination) for tensor in flat]
-        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
-        output = varlen_attn(
-            *tokens, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
-            scale=scaling, window_size=window, enable_gqa=heads != key.shape[1],
-        )
+        output = _torch_varlen_attention(tokens, mask, scaling)
     else:
         output = torch.cat([
             _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
@@ -176,18 +173,43 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
 
 
 def _use_torch_varlen(query, key, value, dropout: float) -> bool:
-    """torch's varlen kernel is FlashAttention: CUDA, half precision, no dropout, equal head dims up to 256."""
+    """torch's varlen kernel is FlashAttention: CUDA, half precision, no dropout, equal head dims up to 256; and this
+    torch must have it, taking a `window_size` (causal and sliding windows are given that way)."""
     return (
         query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
         and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256
+        and "window_size" in _parameters(torch_varlen_attn())
     )
 
 
-def varlen_attn(*args, **kwargs):
-    """torch's `torch.nn.attention.varlen.varlen_attn`, imported when first used (CUDA only)."""
-    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+def _torch_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
+    """One call of torch's varlen kernel over every document of `tokens` (query, key, value, each
+    `(tokens, heads, dim)`). A torch whose kernel takes no `enable_gqa` (2.11) gets the key and value heads repeated
+    for grouped-query attention."""
+    function = torch_varlen_attn()
+    query, key, value = tokens
+    options = {"scale": scaling, "window_size": (-1, 0) if mask.window is None else (mask.window - 1, 0)}
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in _parameters(function):
+            options["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return function(query, key, value, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen, **options)
 
-    return torch_varlen_attn(*args, **kwargs)
+
+def torch_varlen_attn():
+    """torch's `torch.nn.attention.varlen.varlen_attn`, imported when first used (CUDA only); None where this torch
+    has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _parameters(function) -> frozenset[str]:
+    return frozenset() if function is None else frozenset(inspect.signature(function).parameters)
 
 
 def _refuse_inexpressible(module, kwargs) -> None:
