@@ -13,6 +13,7 @@ document into chunk-sized pieces, each attended causally. What SDPA cannot expre
 position biases) keeps the dense route: see `llm_packing.hook.support.architectures.sdpa_route`.
 """
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 
@@ -208,7 +209,9 @@ def torch_varlen_attn():
     return varlen_attn
 
 
+@functools.cache
 def _parameters(function) -> frozenset[str]:
+    """The parameter names of `function` (none for None), read once: this runs in every attention layer's call."""
     return frozenset() if function is None else frozenset(inspect.signature(function).parameters)
 
 
