@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+from call_counting import count_calls
 from tiny_image_text import SPECS, TinyImageText, model_inputs
 from transformers import masking_utils
 
@@ -123,8 +124,9 @@ def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypat
         return
     case = make_case(model_type, backend)
     calls = {}
-    _count(calls, monkeypatch, varlen, "packed_sdpa_attention")
-    _count(calls, monkeypatch, masking_utils, "sdpa_mask")
+    mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention", mask_functions)
+    count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
     logits = packed_logits(case, route)
     worst = max(differences(case, logits, alone_logits(case.model, case.documents)))
     print(f"parity {model_type} {backend} {route}: {worst:.2e}")
@@ -136,21 +138,6 @@ def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypat
         assert calls["sdpa_mask"] > 0, calls
     elif backend == "sdpa":
         assert calls["packed_sdpa_attention"] > 0, calls
-
-
-def _count(calls, monkeypatch, module, name) -> None:
-    calls[name] = 0
-    original = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls[name] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    for key, value in list(mapping.items()):
-        if value is original:
-            monkeypatch.setitem(mapping, key, counted)
 
 
 def test_every_proven_type_is_in_the_matrix():

@@ -19,6 +19,7 @@ The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `
 
 import pytest
 import torch
+from call_counting import count_calls
 from random_layouts import (
     BASE_SEQUENCES,
     ISSUE_25_LAYOUT,
@@ -133,9 +134,9 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, stat
         return
     batch = packed_batch()
     calls = {}
-    _count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
+    count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
     mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    _count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
+    count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
     with packing_configured(model, attention_route=route):
         packed_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
         logits = _forward(model, **packed_inputs)
@@ -146,22 +147,6 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, stat
         logit_difference, loss_difference = _max_differences(model, batch, logits)
     assert logit_difference <= TOLERANCE, (model_type, backend, route, logit_difference)
     assert loss_difference <= TOLERANCE, (model_type, backend, route, loss_difference)
-
-
-def _count_calls(calls, monkeypatch, module, name, mapping=None):
-    """Count the calls of `module.name` in `calls[name]` (and of its entry in `mapping`, where transformers looks it
-    up)."""
-    calls[name] = 0
-    original = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls[name] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    for key, value in (mapping or {}).items():
-        if value is original:
-            monkeypatch.setitem(mapping, key, counted)
 
 
 # Issue 25's row and 3 drawn layouts in every CI pass; 9 more drawn layouts in the slow suite (12 drawn in all; the
