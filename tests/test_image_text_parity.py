@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 from call_counting import count_calls
+from flex_modes import compiled_flex, uncompiled_flex
 from tiny_image_text import SPECS, TinyImageText, model_inputs
 from transformers import masking_utils
 
@@ -108,16 +109,8 @@ def differences(case: Case, logits, references) -> list[float]:
             for row, start, length, index in case.spans]
 
 
-@pytest.fixture
-def static_flex_compile():
-    """As in tests/test_parity.py: compiled flex_attention on CPU fails to build its kernel once dynamo recompiles
-    with dynamic shapes; static shapes compile."""
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        yield
-
-
 @pytest.mark.parametrize(("model_type", "backend", "route"), MATRIX)
-def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypatch, static_flex_compile):
+def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypatch):
     if backend not in PROVEN_IMAGE_TEXT_TYPES[model_type].backends:
         with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
             TinyImageText(model_type, backend)
@@ -127,8 +120,9 @@ def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypat
     mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention", mask_functions)
     count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
-    logits = packed_logits(case, route)
-    worst = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    with uncompiled_flex():  # the compiled path: test_compiled_flex_attention_with_image_blocks
+        logits = packed_logits(case, route)
+        worst = max(differences(case, logits, alone_logits(case.model, case.documents)))
     print(f"parity {model_type} {backend} {route}: {worst:.2e}")
     assert worst <= TOLERANCE, (model_type, backend, route, worst)
     if backend == "sdpa" and route == "dense":
@@ -138,6 +132,17 @@ def test_packed_rows_equal_documents_alone(model_type, backend, route, monkeypat
         assert calls["sdpa_mask"] > 0, calls
     elif backend == "sdpa":
         assert calls["packed_sdpa_attention"] > 0, calls
+
+
+def test_compiled_flex_attention_with_image_blocks():
+    """transformers' compiled flex_attention (what a GPU runs) on Gemma 3's mask: causal text, each image's tokens
+    attending to each other, and the same-document rule on top. References run uncompiled (tests/flex_modes.py)."""
+    case = make_case("gemma3", "flex_attention")
+    with compiled_flex():
+        logits = packed_logits(case)
+    with uncompiled_flex():
+        worst = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    assert worst <= TOLERANCE, worst
 
 
 def test_every_proven_type_is_in_the_matrix():

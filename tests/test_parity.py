@@ -20,6 +20,7 @@ The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `
 import pytest
 import torch
 from call_counting import count_calls
+from flex_modes import compiled_flex, uncompiled_flex
 from random_layouts import (
     BASE_SEQUENCES,
     ISSUE_25_LAYOUT,
@@ -97,28 +98,8 @@ def _max_differences(model, batch, logits=None, **packed_inputs):
     return float(logit_difference), float(loss_difference)
 
 
-@pytest.fixture
-def static_flex_compile():
-    # Compiled flex_attention on CPU fails to build its C++ kernel once dynamo recompiles with dynamic shapes
-    # (CppCompileError in torch 2.13's flex template); static shapes compile, and past the recompile limit the
-    # same mask runs uncompiled. torch's own `patch`, not monkeypatch: newer pytest undoes a module attribute it did
-    # not find in the module's __dict__ by deleting it, which removes the setting from torch's config module.
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        yield
-
-
-@pytest.fixture
-def uncompiled_flex():
-    # The random layouts' shapes make compiled flex_attention on CPU fail to build some kernels even with static
-    # shapes (llama4_text's chunked mask: a CppCompileError in torch 2.13's inductor, in a fresh process); the suite
-    # passed only because earlier tests had used up dynamo's recompile limit, after which flex runs uncompiled. Run it
-    # uncompiled from the start, whatever ran before (the fixed matrix above keeps the compiled path).
-    with torch._dynamo.config.patch(recompile_limit=0):
-        yield
-
-
 @pytest.mark.parametrize(("model_type", "backend", "route"), MATRIX)
-def test_packed_batch_equals_separate_documents(model_type, backend, route, static_flex_compile, monkeypatch):
+def test_packed_batch_equals_separate_documents(model_type, backend, route, monkeypatch):
     if not backend_available(model_type, backend):
         with pytest.raises(ValueError, match="does not support"):
             tiny_model(model_type, backend)
@@ -137,7 +118,7 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, stat
     count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
     mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
-    with packing_configured(model, attention_route=route):
+    with uncompiled_flex(), packing_configured(model, attention_route=route):
         packed_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
         logits = _forward(model, **packed_inputs)
         if route == "varlen":
@@ -149,12 +130,26 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, stat
     assert loss_difference <= TOLERANCE, (model_type, backend, route, loss_difference)
 
 
+def test_compiled_flex_attention_equals_separate_documents():
+    """The matrix runs flex_attention uncompiled; this is transformers' compiled path, the one a GPU runs, on the
+    fixed batch (tests/test_image_text_parity.py has Gemma 3's image blocks compiled). The references run uncompiled:
+    a compile for every document length would cost about 10 s each with inductor's cache cold."""
+    model = tiny_model("llama", "flex_attention")
+    batch = packed_batch()
+    with packing_configured(model):
+        with compiled_flex():
+            logits = _forward(model, **{key: batch[key] for key in PACKED_INPUTS})
+        with uncompiled_flex():
+            logit_difference, loss_difference = _max_differences(model, batch, logits)
+    assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE, (logit_difference, loss_difference)
+
+
 # Issue 25's row and 3 drawn layouts in every CI pass; 9 more drawn layouts in the slow suite (12 drawn in all; the
 # slow suite was the largest part of CI's time at 17 more). `benchmarks/random_parity.py` runs 20 drawn layouts on
-# every type (benchmarks/results/random_parity.md). flex_attention runs a sample of them, without the prefix checks of
-# its references (its eager and sdpa twins check the architecture's): past dynamo's recompile limit flex runs
-# uncompiled on CPU, about 0.1 s of CPU a forward against 0.01 s on eager or sdpa, and every layout on flex cost 4.3
-# more CPU-minutes per CI pass (measured on 16 types): 2 layouts in every pass and 3 more in the slow suite.
+# every type (benchmarks/results/random_parity.md). flex_attention runs a sample of them, uncompiled
+# (tests/flex_modes.py), without the prefix checks of its references (its eager and sdpa twins check the
+# architecture's): about 40 ms a forward of a tiny llama against about 1 ms on eager or sdpa. 2 layouts in every pass
+# and 3 more in the slow suite.
 RANDOM_LAYOUTS = (ISSUE_25_LAYOUT, *map(draw_layout, range(3)))
 MORE_RANDOM_LAYOUTS = tuple(map(draw_layout, range(3, 12)))
 FLEX_RANDOM_LAYOUTS = RANDOM_LAYOUTS[:2]
@@ -163,17 +158,19 @@ PACKED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 @pytest.mark.parametrize("model_type", supported_model_types())
-def test_random_layouts_equal_separate_documents(model_type, uncompiled_flex):
+def test_random_layouts_equal_separate_documents(model_type):
     """Every supported type on every backend and sdpa route that transformers offers and the hook does not refuse (the
     fixed matrix above asserts those refusals): every document of issue 25's row and of 3 drawn layouts (2 of these 4
     on flex_attention) gives the logits and per-token losses of the document run alone."""
-    _assert_layouts_exact(model_type, RANDOM_LAYOUTS, FLEX_RANDOM_LAYOUTS)
+    with uncompiled_flex():
+        _assert_layouts_exact(model_type, RANDOM_LAYOUTS, FLEX_RANDOM_LAYOUTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", supported_model_types())
-def test_more_random_layouts_equal_separate_documents(model_type, uncompiled_flex):
-    _assert_layouts_exact(model_type, MORE_RANDOM_LAYOUTS, MORE_FLEX_RANDOM_LAYOUTS)
+def test_more_random_layouts_equal_separate_documents(model_type):
+    with uncompiled_flex():
+        _assert_layouts_exact(model_type, MORE_RANDOM_LAYOUTS, MORE_FLEX_RANDOM_LAYOUTS)
 
 
 def _assert_layouts_exact(model_type, layouts, flex_layouts):
@@ -318,10 +315,9 @@ def test_model_loss_equals_mean_of_separate_document_losses():
 
 @pytest.mark.parametrize(("model_type", "backend", "route"), [
     ("llama", "eager", "auto"), ("llama", "sdpa", "varlen"), ("llama", "sdpa", "dense"),
-    pytest.param("llama", "flex_attention", "auto", marks=pytest.mark.slow),  # a compile for the new batch shape
-    ("qwen2", "sdpa", "dense"), ("gemma2", "eager", "auto"),
+    ("llama", "flex_attention", "auto"), ("qwen2", "sdpa", "dense"), ("gemma2", "eager", "auto"),
 ])
-def test_all_padding_row_leaves_the_other_rows_exact(model_type, backend, route, static_flex_compile):
+def test_all_padding_row_leaves_the_other_rows_exact(model_type, backend, route):
     """A row without any document (indexed mask all 0, as a batch padded to a fixed number of rows has) between two
     packed rows: the other rows stay exact, no logit or gradient is NaN, and the loss is that of the batch without
     the row. (DataCollatorWithPacking refuses an empty feature, so the batch is built by `packed_batch`.)"""
@@ -329,7 +325,8 @@ def test_all_padding_row_leaves_the_other_rows_exact(model_type, backend, route,
     batch = packed_batch(document_lengths=(PACKED_DOCUMENT_LENGTHS[0], (), PACKED_DOCUMENT_LENGTHS[1]))
     assert batch["attention_mask"][1].eq(0).all() and batch["labels"][1].eq(-100).all()
     keys = ("input_ids", "attention_mask", "position_ids", "labels")
-    with packing_configured(model, attention_route=route), torch.set_grad_enabled(backend != "flex_attention"):
+    with (uncompiled_flex(), packing_configured(model, attention_route=route),
+          torch.set_grad_enabled(backend != "flex_attention")):
         output = model(**{key: batch[key] for key in keys}, use_cache=False)
         if output.loss.requires_grad:  # flex_attention has no backward on CPU
             output.loss.backward()

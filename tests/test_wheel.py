@@ -2,8 +2,9 @@
 of the package and `py.typed`; installed into a fresh virtual environment with only the base requirements (no TRL), it
 imports, packs a dataset, answers `llm-packing --help` and proves a tiny model exact with `llm-packing verify`.
 
-Slow: the virtual environment's installs take minutes (torch from the local wheel cache first, as the README's test
-command installs it, so pip never fetches another torch; the rest from the package index).
+Slow: the virtual environment's installs take about half a minute (torch from the local wheel cache first, as the
+README's test command installs it, so pip never fetches another torch; the rest from the package index; neither
+byte-compiled).
 """
 
 import json
@@ -78,12 +79,13 @@ def test_wheel_installs_clean(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of this checkout
     started = time.perf_counter()
     run([sys.executable, "-m", "venv", str(venv)])
+    # `--no-compile`: byte-compiling torch's and transformers' thousands of modules was most of this test's time.
     # This process's torch (the README's `pip install torch==2.13.0` takes it from the local wheel cache): the wheel's
     # `torch>=2.6` is then met, and pip never downloads a CUDA build.
-    run([pip, "install", "--quiet", f"torch=={torch.__version__}"], env=env, cwd=tmp_path)
+    run([pip, "install", "--quiet", "--no-compile", f"torch=={torch.__version__}"], env=env, cwd=tmp_path)
     timings["torch"] = time.perf_counter() - started
     started = time.perf_counter()
-    run([pip, "install", "--quiet", str(wheel)], env=env, cwd=tmp_path)
+    run([pip, "install", "--quiet", "--no-compile", str(wheel)], env=env, cwd=tmp_path)
     timings["wheel and base requirements"] = time.perf_counter() - started
 
     report = json.loads(run([python, "-c", PACK_AND_REPORT], env=env, cwd=tmp_path).stdout.splitlines()[-1])
