@@ -1,6 +1,7 @@
 import functools
 import os
 import sys
+import tempfile
 import types
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The bundled SmolLM2's conversion (llm_packing/demo/pretrained.py), kept out of the user's own cache and shared by the
+# xdist workers and the subprocesses they start: converted once per machine, not once per load.
+os.environ.setdefault("LLM_PACKING_CACHE", os.path.join(tempfile.gettempdir(), "llm_packing-tests-cache"))
 
 # Tiny models on a 2-core machine shared by 2 xdist workers: extra intra-op threads only wait on each other.
 torch.set_num_threads(1)

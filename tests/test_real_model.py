@@ -9,6 +9,7 @@ import contextlib
 import copy
 import importlib.metadata
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -21,11 +22,12 @@ import torch
 from datasets import Dataset
 from flex_modes import uncompiled_flex
 from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from llm_packing import ContaminationError, DataCollatorWithPacking, pack_dataset, packing_configured, verify_packing
 from llm_packing.cli.sample_reply import sample_reply
+from llm_packing.demo import pretrained
 from llm_packing.demo.chitchat import load_chitchat_conversations
 from llm_packing.demo.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
 from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
@@ -155,6 +157,86 @@ class TestLoader:
             load_bundled_model(gguf_path=tmp_path / "nowhere.gguf")
         assert issubclass(MissingPackageError, (PackingError, ImportError))
         assert issubclass(CheckpointFileError, (PackingError, OSError))
+
+
+class TestConversionCache:
+    """The first load converts the GGUF file into a folder (safetensors, config, tokenizer); later loads read it."""
+
+    def test_the_converted_folder_holds_what_the_gguf_file_gives(self, smollm2):
+        path = bundled_gguf_path()
+        assert os.path.isfile(os.path.join(pretrained.converted_folder(path), "converted_from.json"))
+        direct = pretrained._model_from_gguf(path, dtype=torch.float32)
+        weights, direct_weights = smollm2.state_dict(), direct.state_dict()
+        assert list(weights) == list(direct_weights)
+        assert all(torch.equal(weights[name], direct_weights[name]) for name in weights)
+        ignored = {"_name_or_path", "architectures"}
+        assert {key: value for key, value in smollm2.config.to_dict().items() if key not in ignored} == \
+            {key: value for key, value in direct.config.to_dict().items() if key not in ignored}
+        tokenizer, direct_tokenizer = load_bundled_tokenizer(), pretrained._tokenizer_from_gguf(path)
+        assert tokenizer.get_vocab() == direct_tokenizer.get_vocab()
+        assert tokenizer.chat_template == direct_tokenizer.chat_template
+        assert tokenizer.special_tokens_map == direct_tokenizer.special_tokens_map
+        for chat in load_chitchat_conversations(5):
+            assert tokenizer.apply_chat_template(chat) == direct_tokenizer.apply_chat_template(chat)
+
+    @pytest.fixture
+    def fake_gguf(self, tmp_path, monkeypatch):
+        """A file standing for a GGUF checkpoint whose reading gives a tiny llama and a word-level tokenizer; the
+        cache under tmp_path. Returns the file and the list of readings."""
+        readings = []
+
+        def model(path, **options):
+            readings.append("model")
+            return LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16,
+                                                num_hidden_layers=1, num_attention_heads=2))
+
+        def tokenizer(path):
+            readings.append("tokenizer")
+            return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1}, "a")))
+
+        monkeypatch.setattr(pretrained, "_model_from_gguf", model)
+        monkeypatch.setattr(pretrained, "_tokenizer_from_gguf", tokenizer)
+        monkeypatch.setenv(pretrained.CACHE_VARIABLE, str(tmp_path / "cache"))
+        path = tmp_path / "fake.gguf"
+        path.write_bytes(b"GGUF")
+        return path, readings
+
+    def test_converts_once(self, fake_gguf, tmp_path):
+        path, readings = fake_gguf
+        load_bundled_tokenizer(gguf_path=path)
+        assert readings == ["model", "tokenizer"]
+        model = load_bundled_model(gguf_path=path, dtype=torch.bfloat16)
+        load_bundled_tokenizer(gguf_path=path)
+        assert readings == ["model", "tokenizer"] and model.dtype == torch.bfloat16
+        assert os.listdir(tmp_path / "cache") == [os.path.basename(pretrained.converted_folder(path))]
+        os.utime(path, ns=(0, 0))  # a changed file converts again
+        load_bundled_model(gguf_path=path)
+        assert readings == ["model", "tokenizer"] * 2
+
+    def test_another_process_converting_first_is_used(self, fake_gguf, tmp_path, monkeypatch):
+        path, readings = fake_gguf
+        folder = pretrained.converted_folder(path)
+        model = pretrained._model_from_gguf
+
+        def converted_meanwhile(path, **options):
+            os.makedirs(folder)
+            with open(os.path.join(folder, "converted_from.json"), "w") as file:
+                file.write("{}")
+            return model(path, **options)
+
+        monkeypatch.setattr(pretrained, "_model_from_gguf", converted_meanwhile)
+        assert pretrained._converted(str(path)) == folder
+        assert os.listdir(tmp_path / "cache") == [os.path.basename(folder)]  # our own copy removed
+
+    def test_an_unwritable_cache_reads_the_file_on_every_load(self, fake_gguf, tmp_path, monkeypatch, caplog):
+        path, readings = fake_gguf
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv(pretrained.CACHE_VARIABLE, str(tmp_path / "a_file" / "cache"))
+        with caplog.at_level(logging.WARNING, logger="llm_packing"):
+            load_bundled_model(gguf_path=path)
+            load_bundled_model(gguf_path=path)
+        assert readings == ["model", "model"]
+        assert "cannot write the conversion cache" in caplog.text and "LLM_PACKING_CACHE" in caplog.text
 
 
 class TestPackedEqualsAlone:

