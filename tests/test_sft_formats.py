@@ -25,7 +25,9 @@ TINY = {"vocab_size": 32_000, "hidden_size": 16, "intermediate_size": 32, "num_h
         "num_attention_heads": 2, "num_key_value_heads": 1}
 QUIET = {"report_to": "none", "use_cpu": True, "bf16": False, "activation_checkpointing": False, "save_strategy": "no",
          "seed": 0, "max_steps": 1, "per_device_train_batch_size": 64, "per_device_eval_batch_size": 64}
-CHATS = 8  # demo conversations of 24 to 981 tokens (2,536 in all): rows of 1024 hold several each
+# Demo conversations of 14 to 511 tokens (1,287 in all): rows of 1024 hold several each. Not the first 8 (24 to 981
+# tokens): TRL pads every row to the longest, and its CPU loss scores every padded position (7,848 then, 4,088 now).
+CHATS = (2, 3, 4, 5, 6, 7, 9, 12)
 
 
 @pytest.fixture
@@ -35,7 +37,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def conversations():
-    return load_chitchat_conversations(CHATS)
+    chats = load_chitchat_conversations(max(CHATS) + 1)
+    return [chats[index] for index in CHATS]
 
 
 def messages(conversations) -> Dataset:
@@ -136,7 +139,7 @@ def test_packed_trains_the_tokens_trl_trains(tmp_path, tokenizer, conversations,
     assert trainer.packing_stats["train"].truncated_sequences == 0
     assert int(batch["attention_mask"].max()) > 1  # packed: rows hold several documents
     assert len(batch["input_ids"]) < len(expected_documents)
-    assert trainer.packing_stats["train"].num_sequences == CHATS
+    assert trainer.packing_stats["train"].num_sequences == len(CHATS)
     assert_same_training(expected_documents, documents, losses)
     low, high = trained
     assert low <= trained_fraction(documents) <= high  # the masks at work: some tokens trained, others not
@@ -154,7 +157,7 @@ def test_over_long_documents_are_truncated_as_trl_truncates_them(tmp_path, token
         truncation_mode=truncation_mode)
     assert_same_training(expected_documents, documents, losses)
     stats = trainer.packing_stats["train"]
-    assert stats.truncated_sequences >= 2 and stats.truncated_tokens > 1000
+    assert stats.truncated_sequences >= 2 and stats.truncated_tokens > 700
     assert f"documents are longer than max_length=128 and were truncated as trl.SFTTrainer truncates them " \
            f"(truncation_mode={truncation_mode!r})" in caplog.text
 
