@@ -1,10 +1,12 @@
 """The parity matrix: for every supported architecture and backend, a packed batch gives exactly the logits and
 per-token losses of each document run alone (max abs difference <= 1e-5, float32).
 
-The packed batch (`tiny_models.packed_batch`) has two rows of 18 tokens: documents (5, 1, 7, 3) + 2 pad tokens and
-(9, 2, 1, 6), so length-1 documents, trailing padding, a row without padding and documents longer than the 4-token
-sliding windows / attention chunks of the tiny configs are all covered. The reference runs each document alone
-(batch 1, no padding, positions 0..n-1).
+The fixed layout (`FIXED_LAYOUT`) has two rows of 18 tokens: documents (5, 1, 7, 3) + 2 pad tokens and (9, 2, 1, 6),
+so length-1 documents, trailing padding, a row without padding and documents longer than the 4-token sliding windows
+/ attention chunks of the tiny configs are all covered. The reference of a document is the document run alone (batch
+1, no padding, positions 0..n-1); its tokens are a prefix of one of `random_layouts.BASE_SEQUENCES`, so that one
+forward of those gives every reference where the model is causal (`References` checks that on the longest document
+run alone, on eager and sdpa, and runs every document alone where it is not).
 
 Random layouts (`random_layouts.draw_layout`, seeded; a failure prints the seed and the layout) complete it: every
 supported type runs issue 25's row and 3 drawn layouts in every CI pass, 9 more in the slow suite, on eager and both
@@ -25,11 +27,12 @@ from random_layouts import (
     BASE_SEQUENCES,
     ISSUE_25_LAYOUT,
     MAX_ROW_LENGTH,
+    Layout,
     draw_layout,
     longest_window,
     packed_layout_batch,
 )
-from tiny_models import PACKED_DOCUMENT_LENGTHS, WINDOW, packed_batch, tiny_config, tiny_model
+from tiny_models import PACKED_DOCUMENT_LENGTHS, PACKED_ROW_LENGTH, WINDOW, packed_batch, tiny_config, tiny_model
 from transformers import masking_utils
 
 from llm_packing.errors import UnsupportedSetupError
@@ -55,6 +58,7 @@ MATRIX = [
     for backend in MATRIX_BACKENDS
     for route in ROUTES[backend]
 ]
+FIXED_LAYOUT = Layout(PACKED_ROW_LENGTH, PACKED_DOCUMENT_LENGTHS)
 
 
 def _forward(model, **inputs):
@@ -113,19 +117,18 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, monk
         with pytest.raises(UnsupportedSetupError, match="attention_route='varlen'"):
             configure_packing_and_undo(model, attention_route=route)
         return
-    batch = packed_batch()
-    calls = {}
-    count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
-    mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
-    with uncompiled_flex(), packing_configured(model, attention_route=route):
-        packed_inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        logits = _forward(model, **packed_inputs)
-        if route == "varlen":
-            assert calls["packed_sdpa_attention"] >= 1 and calls["sdpa_mask"] == 0, calls
-        if route == "dense":
-            assert calls["packed_sdpa_attention"] == 0 and calls["sdpa_mask"] >= 1, calls
-        logit_difference, loss_difference = _max_differences(model, batch, logits)
+    with uncompiled_flex():
+        references = References(model, [FIXED_LAYOUT], check_prefixes=backend != "flex_attention")
+        calls = {}
+        count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
+        mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
+        with packing_configured(model, attention_route=route):
+            logit_difference, loss_difference, _ = layout_differences(model, references, FIXED_LAYOUT)
+    if route == "varlen":
+        assert calls["packed_sdpa_attention"] >= 1 and calls["sdpa_mask"] == 0, calls
+    if route == "dense":
+        assert calls["packed_sdpa_attention"] == 0 and calls["sdpa_mask"] >= 1, calls
     assert logit_difference <= TOLERANCE, (model_type, backend, route, logit_difference)
     assert loss_difference <= TOLERANCE, (model_type, backend, route, loss_difference)
 
