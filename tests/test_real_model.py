@@ -15,6 +15,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -208,25 +210,30 @@ class TestConversionCache:
         model = load_bundled_model(gguf_path=path, dtype=torch.bfloat16)
         load_bundled_tokenizer(gguf_path=path)
         assert readings == ["model", "tokenizer"] and model.dtype == torch.bfloat16
-        assert os.listdir(tmp_path / "cache") == [os.path.basename(pretrained.converted_folder(path))]
+        folder = os.path.basename(pretrained.converted_folder(path))
+        assert sorted(os.listdir(tmp_path / "cache")) == [folder, f"{folder}.lock"]
         os.utime(path, ns=(0, 0))  # a changed file converts again
         load_bundled_model(gguf_path=path)
         assert readings == ["model", "tokenizer"] * 2
 
-    def test_another_process_converting_first_is_used(self, fake_gguf, tmp_path, monkeypatch):
+    def test_loaders_at_once_convert_once(self, fake_gguf, monkeypatch):
+        """Two loaders at once (the ranks of `accelerate launch`): the second waits for the first's conversion."""
         path, readings = fake_gguf
-        folder = pretrained.converted_folder(path)
-        model = pretrained._model_from_gguf
+        model, converting = pretrained._model_from_gguf, threading.Event()
 
-        def converted_meanwhile(path, **options):
-            os.makedirs(folder)
-            with open(os.path.join(folder, "converted_from.json"), "w") as file:
-                file.write("{}")
+        def slow(path, **options):
+            converting.set()
+            time.sleep(0.5)
             return model(path, **options)
 
-        monkeypatch.setattr(pretrained, "_model_from_gguf", converted_meanwhile)
-        assert pretrained._converted(str(path)) == folder
-        assert os.listdir(tmp_path / "cache") == [os.path.basename(folder)]  # our own copy removed
+        monkeypatch.setattr(pretrained, "_model_from_gguf", slow)
+        folders = []
+        first = threading.Thread(target=lambda: folders.append(pretrained._converted(str(path))))
+        first.start()
+        assert converting.wait(10)
+        folders.append(pretrained._converted(str(path)))
+        first.join()
+        assert folders == [pretrained.converted_folder(path)] * 2 and readings == ["model", "tokenizer"]
 
     def test_an_unwritable_cache_reads_the_file_on_every_load(self, fake_gguf, tmp_path, monkeypatch, caplog):
         path, readings = fake_gguf

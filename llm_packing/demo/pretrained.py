@@ -24,11 +24,16 @@ import logging
 import os
 import shutil
 import struct
-import tempfile
 
 import torch
 
 from ..errors import CheckpointFileError, MissingPackageError, PackingError
+
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 
 logger = logging.getLogger(__name__)
@@ -118,35 +123,40 @@ def converted_folder(gguf_path: str) -> str:
 
 def _converted(path: str) -> str | None:
     """The folder holding `path` as safetensors, config and tokenizer, converted now if it is not there yet; None if
-    the cache cannot be written (the caller then reads the GGUF file)."""
+    the cache cannot be written (the caller then reads the GGUF file). One process converts at a time: the others
+    (the ranks of `accelerate launch`, test workers) wait for it and read its folder."""
     folder = converted_folder(path)
     if os.path.isfile(os.path.join(folder, _CONVERTED)):
         return folder
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
-        staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".converting-")
+        lock = open(f"{folder}.lock", "w")
     except OSError as error:
         logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load; set $%s to "
                        "a writable folder to load faster", os.path.dirname(folder), error, CACHE_VARIABLE)
         return None
-    try:
-        logger.info("converting %s once into %s (later loads read it)", os.path.basename(path), folder)
-        _model_from_gguf(path, dtype=torch.float32).save_pretrained(staging)
-        _tokenizer_from_gguf(path).save_pretrained(staging)
-        with open(os.path.join(staging, _CONVERTED), "w") as file:
-            json.dump({"gguf_file": path}, file)
+    with lock:
+        if fcntl is not None:  # POSIX; elsewhere concurrent loaders convert side by side, the last rename wins
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(folder, _CONVERTED)):  # converted by the process we waited for
+            return folder
+        staging = f"{folder}.converting-{os.getpid()}"
         try:
+            logger.info("converting %s once into %s (later loads read it)", os.path.basename(path), folder)
+            _model_from_gguf(path, dtype=torch.float32).save_pretrained(staging)
+            _tokenizer_from_gguf(path).save_pretrained(staging)
+            with open(os.path.join(staging, _CONVERTED), "w") as file:
+                json.dump({"gguf_file": path}, file)
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder left by a process that died
             os.rename(staging, folder)
-        except OSError:  # another process converted it first
-            if not os.path.isfile(os.path.join(folder, _CONVERTED)):
+        except OSError as error:
+            if isinstance(error, PackingError):  # the GGUF file itself is unreadable: `_reading`'s error, as it is
                 raise
-    except OSError as error:
-        if isinstance(error, PackingError):  # the GGUF file itself is unreadable: `_reading`'s error, as it is
-            raise
-        logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load", folder, error)
-        return None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load", folder,
+                           error)
+            return None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
