@@ -220,8 +220,11 @@ def test_tiny_recipe_trains_and_loss_goes_down(tmp_path):
 
 @pytest.mark.slow
 def test_lora_recipe_trains_adapters(tmp_path):
+    # Rows of 256 tokens, 2 a step (the recipe's 4 of 1024 took 8 s a step here: TRL's loss scores 32,000 logits a
+    # token on CPU).
     output = run(["llm-packing", "train", "--config", TINY_LORA, "--max_steps", "3", "--logging_steps", "1",
-                  "--max_samples", "20", "--output_dir", str(tmp_path / "out")], tmp_path)
+                  "--max_samples", "20", "--max_length", "256", "--per_device_train_batch_size", "2",
+                  "--output_dir", str(tmp_path / "out")], tmp_path)
     assert "isolation verified" in output
     assert len(logged_losses(output)) == 3
     assert os.path.exists(tmp_path / "out" / "adapter_config.json")
