@@ -144,9 +144,14 @@ def test_config_flag_without_path():
         parse_args(["--config", "--max_steps", "3"])
 
 
+# Rows of 128 tokens for the first-step comparisons: the 4 chats' 1,853 tokens cut into 128-token pieces pad to fewer
+# positions than into 512-token ones, and TRL's CPU loss scores every position.
+SHORT_ROWS = 128
+
+
 def first_step_loss(tmp_path, **changes) -> float:
     """Loss of one optimizer step over all documents of the recipe (one batch holds every row, packed or not)."""
-    recipe = write_recipe(tmp_path, max_samples=4, per_device_train_batch_size=32, max_steps=1,
+    recipe = write_recipe(tmp_path, max_samples=4, max_length=SHORT_ROWS, per_device_train_batch_size=32, max_steps=1,
                           output_dir=str(tmp_path / "out"), **changes)
     return main(["--config", recipe]).training_loss
 
@@ -155,7 +160,7 @@ def independent_unpacked_loss(tmp_path, attn_implementation) -> float:
     """The recipe's model and documents without pack_dataset or DataCollatorWithPacking: each document cut into
     `max_length` pieces (as `overflow: split` does), one piece per right-padded row with a 0/1 mask, through
     transformers' own loss: what the first training step reports before it updates the weights."""
-    recipe = write_recipe(tmp_path, max_samples=4, attn_implementation=attn_implementation)
+    recipe = write_recipe(tmp_path, max_samples=4, max_length=SHORT_ROWS, attn_implementation=attn_implementation)
     script_args, training_args, model_args, _ = parse_args(["--config", recipe, "--output_dir", str(tmp_path / "ref")])
     set_seed(training_args.seed)  # as train() does before building the model: the same random weights
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path)
