@@ -25,12 +25,6 @@ collect_ignore = ["fast_kernel_stand_ins"]
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llm_packing") + os.sep
 
 
-def pytest_collection_modifyitems(items):
-    """The tests marked `slow` first (the end-to-end runs of 10 to 45 s are among them): xdist hands out tests in
-    this order, and a long test handed out last leaves the other worker idle until it ends."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def hook_undone():
     """After every test, the packing hook must be off: a test that leaves it on changes what every later test in the
