@@ -3,7 +3,8 @@
 transformers compiles flex_attention and its block masks (`torch.compile`) on first use, and dynamo compiles again
 for every new shape and mask function, up to its recompile limit. With inductor's cache cold, as on a CI machine, a
 compile took 8 to 24 s on the 2-core machine (a tiny llama's packed batch: 24 s), and past the recompile limit flex
-ran uncompiled anyway, so which cells ran compiled depended on test order.
+ran uncompiled anyway, so which cells ran compiled depended on test order (and compiled, llama4_text's chunked mask
+failed to build its kernel on the random layouts: a CppCompileError in torch 2.13's inductor).
 
 [`uncompiled_flex`] sets dynamo's recompile limit to 0: flex_attention runs torch's unfused implementation of the same
 mask functions, about 0.2 s a matrix cell. dynamo then never compiles flex_attention again in that process, so
