@@ -1,4 +1,4 @@
-"""How tests run flex_attention on CPU: uncompiled in the parity matrices, compiled in two tests.
+"""How tests run flex_attention on CPU: unfused in the parity matrices, traced or not, and compiled in two tests.
 
 transformers compiles flex_attention and its block masks (`torch.compile`) on first use, and dynamo compiles again
 for every new shape and mask function, up to its recompile limit. With inductor's cache cold, as on a CI machine, a
@@ -6,9 +6,17 @@ compile took 8 to 24 s on the 2-core machine (a tiny llama's packed batch: 24 s)
 ran uncompiled anyway, so which cells ran compiled depended on test order (and compiled, llama4_text's chunked mask
 failed to build its kernel on the random layouts: a CppCompileError in torch 2.13's inductor).
 
-[`uncompiled_flex`] sets dynamo's recompile limit to 0: flex_attention runs torch's unfused implementation of the same
-mask functions, about 0.2 s a matrix cell. dynamo then never compiles flex_attention again in that process, so
-[`compiled_flex`] resets dynamo first, and fails if flex_attention still ran uncompiled.
+Both unfused modes set dynamo's recompile limit to 0, so transformers' own `torch.compile` never compiles, and run
+torch's unfused implementation of the same score and mask functions:
+- [`traced_flex`]: what flex_attention does uncompiled by default. Each call first traces its score and mask functions
+  with dynamo (an eager-backend compile, whole graph), which fails if the hook's mask functions could not compile on
+  a GPU. About 0.3 s a forward of a tiny model here.
+- [`untraced_flex`]: the same implementation called directly (torch's `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`), with
+  no trace: the same logits to the bit, about 3 times faster. For references and for the random layouts, whose mask
+  functions the fixed matrices trace for every type.
+
+dynamo then never compiles flex_attention again in that process, so [`compiled_flex`] resets dynamo first, and fails
+if flex_attention still ran uncompiled.
 """
 
 import contextlib
@@ -19,8 +27,14 @@ import torch.nn.attention.flex_attention as torch_flex
 
 
 @contextlib.contextmanager
-def uncompiled_flex():
+def traced_flex():
     with torch._dynamo.config.patch(recompile_limit=0):
+        yield
+
+
+@contextlib.contextmanager
+def untraced_flex():
+    with traced_flex(), mock.patch.object(torch_flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True):
         yield
 
 

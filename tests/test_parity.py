@@ -22,7 +22,7 @@ The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `
 import pytest
 import torch
 from call_counting import count_calls
-from flex_modes import compiled_flex, uncompiled_flex
+from flex_modes import compiled_flex, traced_flex, untraced_flex
 from random_layouts import (
     BASE_SEQUENCES,
     ISSUE_25_LAYOUT,
@@ -33,6 +33,7 @@ from random_layouts import (
     packed_layout_batch,
 )
 from tiny_models import PACKED_DOCUMENT_LENGTHS, PACKED_ROW_LENGTH, WINDOW, packed_batch, tiny_config, tiny_model
+from torch._dynamo.utils import counters
 from transformers import masking_utils
 
 from llm_packing.errors import UnsupportedSetupError
@@ -117,8 +118,9 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, monk
         with pytest.raises(UnsupportedSetupError, match="attention_route='varlen'"):
             configure_packing_and_undo(model, attention_route=route)
         return
-    with uncompiled_flex():
+    with untraced_flex():
         references = References(model, [FIXED_LAYOUT], check_prefixes=backend != "flex_attention")
+    with traced_flex():  # the hook's mask functions, traced by dynamo for every type
         calls = {}
         count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
         mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
@@ -142,16 +144,32 @@ def test_compiled_flex_attention_equals_separate_documents():
     with packing_configured(model):
         with compiled_flex():
             logits = _forward(model, **{key: batch[key] for key in PACKED_INPUTS})
-        with uncompiled_flex():
+        with untraced_flex():
             logit_difference, loss_difference = _max_differences(model, batch, logits)
     assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE, (logit_difference, loss_difference)
 
 
+
+def test_the_fixed_matrix_traces_the_mask_functions_and_the_random_layouts_do_not():
+    """What the flex cells rely on (tests/flex_modes.py): under `traced_flex` dynamo traces the forward's score and
+    mask functions, whole-graph, so a mask function a compile could not take fails the cell; `untraced_flex` runs the
+    same kernel with no trace."""
+    model = tiny_model("llama", "flex_attention")
+    batch = packed_batch()
+    traced_graphs = {}
+    for mode in (traced_flex, untraced_flex):
+        torch._dynamo.reset()  # a forward an earlier test traced would hit dynamo's cache
+        counters.clear()
+        with mode(), packing_configured(model):
+            _forward(model, **{key: batch[key] for key in PACKED_INPUTS})
+        traced_graphs[mode.__name__] = counters["stats"]["unique_graphs"]
+    assert traced_graphs["traced_flex"] >= 1 and traced_graphs["untraced_flex"] == 0, traced_graphs
+
 # Issue 25's row and 3 drawn layouts in every CI pass; 9 more drawn layouts in the slow suite (12 drawn in all; the
 # slow suite was the largest part of CI's time at 17 more). `benchmarks/random_parity.py` runs 20 drawn layouts on
-# every type (benchmarks/results/random_parity.md). flex_attention runs a sample of them, uncompiled
-# (tests/flex_modes.py), without the prefix checks of its references (its eager and sdpa twins check the
-# architecture's): about 40 ms a forward of a tiny llama against about 1 ms on eager or sdpa. 2 layouts in every pass
+# every type (benchmarks/results/random_parity.md). flex_attention runs a sample of them, unfused and
+# untraced (tests/flex_modes.py), without the prefix checks of its references (its eager and sdpa twins check the
+# architecture's): about 45 ms a forward of a tiny llama against 2 ms on sdpa. 2 layouts in every pass
 # and 3 more in the slow suite.
 RANDOM_LAYOUTS = (ISSUE_25_LAYOUT, *map(draw_layout, range(3)))
 MORE_RANDOM_LAYOUTS = tuple(map(draw_layout, range(3, 12)))
@@ -165,14 +183,14 @@ def test_random_layouts_equal_separate_documents(model_type):
     """Every supported type on every backend and sdpa route that transformers offers and the hook does not refuse (the
     fixed matrix above asserts those refusals): every document of issue 25's row and of 3 drawn layouts (2 of these 4
     on flex_attention) gives the logits and per-token losses of the document run alone."""
-    with uncompiled_flex():
+    with untraced_flex():
         _assert_layouts_exact(model_type, RANDOM_LAYOUTS, FLEX_RANDOM_LAYOUTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", supported_model_types())
 def test_more_random_layouts_equal_separate_documents(model_type):
-    with uncompiled_flex():
+    with untraced_flex():
         _assert_layouts_exact(model_type, MORE_RANDOM_LAYOUTS, MORE_FLEX_RANDOM_LAYOUTS)
 
 
@@ -328,7 +346,7 @@ def test_all_padding_row_leaves_the_other_rows_exact(model_type, backend, route)
     batch = packed_batch(document_lengths=(PACKED_DOCUMENT_LENGTHS[0], (), PACKED_DOCUMENT_LENGTHS[1]))
     assert batch["attention_mask"][1].eq(0).all() and batch["labels"][1].eq(-100).all()
     keys = ("input_ids", "attention_mask", "position_ids", "labels")
-    with (uncompiled_flex(), packing_configured(model, attention_route=route),
+    with (traced_flex(), packing_configured(model, attention_route=route),
           torch.set_grad_enabled(backend != "flex_attention")):
         output = model(**{key: batch[key] for key in keys}, use_cache=False)
         if output.loss.requires_grad:  # flex_attention has no backward on CPU

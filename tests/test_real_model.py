@@ -2,7 +2,8 @@
 
 Packed logits equal each document's logits alone on sdpa, eager and flex_attention; `verify_packing` passes the
 configured model and catches the unconfigured one in float32, bfloat16 and float16; SFTTrainer trains the same
-losses packed and unpacked. The model loads once for the module (~20 s) and nothing is written outside tmp.
+losses packed and unpacked. The first load on a machine converts the GGUF file into a cached folder (~20 s; then
+0.1 s a load), and nothing else is written outside tmp.
 """
 
 import contextlib
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from flex_modes import uncompiled_flex
+from flex_modes import traced_flex
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
@@ -34,6 +35,10 @@ from llm_packing.demo.chitchat import load_chitchat_conversations
 from llm_packing.demo.pretrained import bundled_gguf_path, load_bundled_model, load_bundled_tokenizer
 from llm_packing.errors import CheckpointFileError, MissingPackageError, PackingError
 
+
+# One xdist worker runs every test of the real model (test_verify_command's too): a second worker loading it while the
+# first converts it would only wait on the conversion's lock.
+pytestmark = pytest.mark.xdist_group("smollm2")
 
 # float32 noise of this model: a document's logits move when unrelated tokens follow it in a 64-token row, plain causal
 # attention and nothing packed, by 4.6e-4 on eager and 2.2e-4 on sdpa (logits up to 34.5), i.e. 1.3e-5 of the logit
@@ -252,7 +257,7 @@ class TestPackedEqualsAlone:
         batch, spans = packed_batch()
         smollm2.set_attn_implementation(backend)
         try:
-            with uncompiled_flex(), packing_configured(smollm2):
+            with traced_flex(), packing_configured(smollm2):
                 difference, scale = max_packed_vs_alone(smollm2, batch, spans)
         finally:
             smollm2.set_attn_implementation("sdpa")

