@@ -186,6 +186,23 @@ class TestConversionCache:
         for chat in load_chitchat_conversations(5):
             assert tokenizer.apply_chat_template(chat) == direct_tokenizer.apply_chat_template(chat)
 
+    def test_a_read_builds_each_tensor_name_map_once_and_puts_gguf_back(self, monkeypatch):
+        import gguf
+
+        built = []
+
+        def building(arch, blocks):
+            built.append((arch, blocks))
+            return gguf.TensorNameMap(arch, blocks)
+
+        monkeypatch.setattr(gguf, "get_tensor_name_map", building)
+        with pytest.raises(RuntimeError, match="while reading"), pretrained._one_tensor_name_map():
+            maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, blocks) for blocks in (30, 30, 2, 30)]
+            raise RuntimeError("while reading")
+        assert maps[0] is maps[1] is maps[3] and maps[2] is not maps[0]
+        assert built == [(gguf.MODEL_ARCH.LLAMA, 30), (gguf.MODEL_ARCH.LLAMA, 2)]
+        assert gguf.get_tensor_name_map is building
+
     @pytest.fixture
     def fake_gguf(self, tmp_path, monkeypatch):
         """A file standing for a GGUF checkpoint whose reading gives a tiny llama and a word-level tokenizer; the

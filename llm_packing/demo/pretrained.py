@@ -16,6 +16,7 @@ or another transformers converts again. Where the cache cannot be written, every
 """
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -24,6 +25,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 
 import torch
 
@@ -163,7 +165,7 @@ def _converted(path: str) -> str | None:
 def _model_from_gguf(path: str, **options):
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    with _reading(path):
+    with _reading(path), _one_tensor_name_map():
         # `dequantize=True` gives plain `nn.Linear` weights and no quantizer: trainable and savable.
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                     quantization_config=GgufConfig(dequantize=True), **options)
@@ -186,6 +188,25 @@ def _checked_file(gguf_path: str | None) -> str:
     if not os.path.isfile(path):
         raise CheckpointFileError(f"`gguf_path` {path!r} is not a file. Pass the path of a `.gguf` checkpoint.")
     return os.path.abspath(path)
+
+
+_NAME_MAP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_tensor_name_map():
+    """While transformers reads a GGUF model, `gguf.get_tensor_name_map` answers each (architecture, layer count)
+    once: transformers asks again for every module of the model (397 times for SmolLM2, half of the read's 15 s), and
+    the map it gets is only read."""
+    import gguf
+
+    with _NAME_MAP_LOCK:
+        original = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(original)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = original
 
 
 @contextlib.contextmanager
