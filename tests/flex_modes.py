@@ -10,7 +10,7 @@ Both unfused modes set dynamo's recompile limit to 0, so transformers' own `torc
 torch's unfused implementation of the same score and mask functions:
 - [`traced_flex`]: what flex_attention does uncompiled by default. Each call first traces its score and mask functions
   with dynamo (an eager-backend compile, whole graph), which fails if the hook's mask functions could not compile on
-  a GPU. About 0.3 s a forward of a tiny model here.
+  a GPU. A trace costs about 0.3 s here, once for every forward whose packed batch brings new mask functions.
 - [`untraced_flex`]: the same implementation called directly (torch's `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`), with
   no trace: the same logits to the bit, about 3 times faster. For references and for the random layouts, whose mask
   functions the fixed matrices trace for every type.

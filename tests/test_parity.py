@@ -149,7 +149,6 @@ def test_compiled_flex_attention_equals_separate_documents():
     assert logit_difference <= TOLERANCE and loss_difference <= TOLERANCE, (logit_difference, loss_difference)
 
 
-
 def test_the_fixed_matrix_traces_the_mask_functions_and_the_random_layouts_do_not():
     """What the flex cells rely on (tests/flex_modes.py): under `traced_flex` dynamo traces the forward's score and
     mask functions, whole-graph, so a mask function a compile could not take fails the cell; `untraced_flex` runs the
@@ -164,6 +163,7 @@ def test_the_fixed_matrix_traces_the_mask_functions_and_the_random_layouts_do_no
             _forward(model, **{key: batch[key] for key in PACKED_INPUTS})
         traced_graphs[mode.__name__] = counters["stats"]["unique_graphs"]
     assert traced_graphs["traced_flex"] >= 1 and traced_graphs["untraced_flex"] == 0, traced_graphs
+
 
 # Issue 25's row and 3 drawn layouts in every CI pass; 9 more drawn layouts in the slow suite (12 drawn in all; the
 # slow suite was the largest part of CI's time at 17 more). `benchmarks/random_parity.py` runs 20 drawn layouts on

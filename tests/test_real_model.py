@@ -2,8 +2,8 @@
 
 Packed logits equal each document's logits alone on sdpa, eager and flex_attention; `verify_packing` passes the
 configured model and catches the unconfigured one in float32, bfloat16 and float16; SFTTrainer trains the same
-losses packed and unpacked. The first load on a machine converts the GGUF file into a cached folder (~20 s; then
-0.1 s a load), and nothing else is written outside tmp.
+losses packed and unpacked. The first load on a machine converts the GGUF file into a cached folder (~14 s; later
+loads take under half a second), and nothing else is written outside tmp.
 """
 
 import contextlib

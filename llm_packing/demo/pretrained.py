@@ -196,7 +196,7 @@ _NAME_MAP_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _one_tensor_name_map():
     """While transformers reads a GGUF model, `gguf.get_tensor_name_map` answers each (architecture, layer count)
-    once: transformers asks again for every module of the model (397 times for SmolLM2, half of the read's 15 s), and
+    once: transformers asks again for every module of the model (397 times for SmolLM2: 5 s of the read's 13 s), and
     the map it gets is only read."""
     import gguf
 
