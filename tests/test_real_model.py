@@ -267,6 +267,21 @@ class TestConversionCache:
         assert readings == ["model", "model"]
         assert "cannot write the conversion cache" in caplog.text and "LLM_PACKING_CACHE" in caplog.text
 
+    def test_a_conversion_that_cannot_be_saved_reads_the_file(self, fake_gguf, monkeypatch, caplog):
+        path, readings = fake_gguf
+
+        def full_disk(self, folder, **options):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full_disk)
+        with caplog.at_level(logging.WARNING, logger="llm_packing"):
+            model = load_bundled_model(gguf_path=path)
+        assert isinstance(model, LlamaForCausalLM) and readings == ["model", "model"]
+        assert "No space left on device" in caplog.text and "LLM_PACKING_CACHE" in caplog.text
+        folder = pretrained.converted_folder(path)
+        assert not os.path.exists(folder)
+        assert not any(".converting-" in name for name in os.listdir(os.path.dirname(folder)))  # staging removed
+
 
 class TestPackedEqualsAlone:
     @pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])

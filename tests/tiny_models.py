@@ -188,12 +188,12 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "xlstm": {"chunk_size": WINDOW},
     # Griffin: a recurrent block, then local attention over WINDOW tokens (both default to 2048-token scales).
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW},
-    # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
-    # one-block vision tower that the batches never reach.
     "qwen3_next": _TINY_DELTA_NET,
     "qwen3_5_text": _TINY_DELTA_NET,
     "qwen3_5_moe_text": _TINY_DELTA_NET,
     "lara_mini": _TINY_DELTA_NET,
+    # The Qwen3.5 image-text wrappers on text-only batches: a tiny text model (gated delta net, then attention) and a
+    # one-block vision tower that the batches never reach.
     "qwen3_5": {"text_config": _QWEN3_5_TEXT, "vision_config": _TINY_VISION},
     "qwen3_5_moe": {"text_config": _QWEN3_5_TEXT | _TINY_EXPERTS, "vision_config": _TINY_VISION},
     # MLA attention needs as many key/value heads as query heads; the delta attention keeps 4-dim heads small.

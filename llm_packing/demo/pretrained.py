@@ -134,8 +134,7 @@ def _converted(path: str) -> str | None:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         lock = open(f"{folder}.lock", "w")
     except OSError as error:
-        logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load; set $%s to "
-                       "a writable folder to load faster", os.path.dirname(folder), error, CACHE_VARIABLE)
+        _warn_unwritable(os.path.dirname(folder), error)
         return None
     with lock:
         if fcntl is not None:  # POSIX; elsewhere concurrent loaders convert side by side, the last rename wins
@@ -154,12 +153,16 @@ def _converted(path: str) -> str | None:
         except OSError as error:
             if isinstance(error, PackingError):  # the GGUF file itself is unreadable: `_reading`'s error, as it is
                 raise
-            logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load", folder,
-                           error)
+            _warn_unwritable(folder, error)
             return None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _warn_unwritable(where: str, error: OSError) -> None:
+    logger.warning("cannot write the conversion cache %s (%s): the GGUF file is read on every load; set $%s to a "
+                   "writable folder to load faster", where, error, CACHE_VARIABLE)
 
 
 def _model_from_gguf(path: str, **options):
