@@ -6,7 +6,10 @@ other tied keys when a document moves within its row or the row grows (issue 25)
 here has three rows of different fill, drawn by kind: a long row (a document longer than `SMALLEST_BUCKET`, the
 varlen route's and the mixers' bucket boundary, itself longer than every window of the tiny configs: see
 `longest_window`), then two of: one document filling the row, many tiny documents, mostly one-token documents, and
-random lengths; the kinds rotate with the seed, so that any two consecutive seeds draw every kind.
+random lengths; the kinds rotate with the seed, so that two consecutive seeds of this family draw every kind. Every
+third seed draws a batch of another family instead: rows of one document each, most with trailing padding,
+consecutive rows often of the same length (a batch whose mask holds no document id above 1, which transformers' own
+padded path runs: issue 35's glm_moe_dsa leak was there).
 
 Documents are prefixes of `BASE_SEQUENCES` (a document's tokens: the first `length` tokens of one of them), so that
 one forward of the base sequences gives the reference of every document of every layout where the model is causal
@@ -66,9 +69,12 @@ ISSUE_25_LAYOUT = Layout(24, ((6, 1, 1, 11, 2, 3), (24,)))
 
 
 def draw_layout(seed: int) -> Layout:
-    """The layout of `seed`: three rows of different fill (see the module docstring)."""
+    """The layout of `seed`: three rows of different fill, or every third seed rows of one document each (see the
+    module docstring)."""
     rng = random.Random(seed)
     row_length = rng.choice(ROW_LENGTHS)
+    if seed % 3 == 2:
+        return Layout(row_length, _single_document_rows(rng, row_length), seed)
     kinds = ("long", ROW_KINDS[(2 * seed) % 4], ROW_KINDS[(2 * seed + 1) % 4])
     rows, fills = [], set()
     for kind in kinds:
@@ -80,6 +86,15 @@ def draw_layout(seed: int) -> Layout:
         fills.add(sum(lengths))
         rows.append(tuple(lengths))
     return Layout(row_length, tuple(rows), seed)
+
+
+def _single_document_rows(rng: random.Random, row_length: int) -> tuple[tuple[int, ...], ...]:
+    """Two to four rows of one document each: the first past the bucket boundary with trailing padding, each other
+    the same length as the row before it, the row's length, or any length."""
+    lengths = [rng.randint(SMALLEST_BUCKET + 1, row_length - 1)]
+    for _ in range(rng.randint(1, 3)):
+        lengths.append(rng.choice((lengths[-1], row_length, rng.randint(1, row_length - 1))))
+    return tuple((length,) for length in lengths)
 
 
 def _row(rng: random.Random, kind: str, row_length: int) -> list[int]:

@@ -114,11 +114,14 @@ def _select_per_document(forward):
         if arguments.get(cache_name) is None and isinstance(mask, torch.Tensor):
             if tuple(mask.shape) == (batch_size, length, length):
                 documents = documents_of_prepared_mask(mask)
-        if documents is None or not documents.is_packed:
+        if documents is None or not (documents.is_packed or _one_padded_document_per_row(documents.ids)):
             return forward(*args, **kwargs)
         groups = documents.derived("indexer groups", lambda: SameLengthGroups(documents, mask.device))
         with torch.no_grad():
-            return groups.select(forward, arguments, cache_name)
+            # transformers' padded mask hides each padding token from itself: those tokens keep what the indexer
+            # picks for them in the whole batch (a token of the hook's masks sees itself, and picks itself).
+            padding = None if documents.is_packed else forward(*args, **kwargs)
+            return groups.select(forward, arguments, cache_name, padding)
 
     return select_per_document
 
@@ -150,13 +153,17 @@ class SameLengthGroups:
             columns = (chosen % length)[:, None] + np.arange(group_length)
             self.groups.append((torch.from_numpy(chosen // length).to(device), torch.from_numpy(columns).to(device)))
 
-    def select(self, forward, arguments: dict, cache_name: str) -> torch.Tensor:
-        """The indices `forward` (the original indexer) keeps for every document alone, in the packed layout."""
+    def select(self, forward, arguments: dict, cache_name: str, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """The indices `forward` (the original indexer) keeps for every document alone, in the packed layout; tokens
+        of no document keep their own position, or their indices in `padding` where given."""
         module, mask = arguments["self"], arguments["attention_mask"]
         batch_size, length = self.shape
         width = min(module.index_topk, length)
-        own_position = torch.arange(length, device=mask.device, dtype=torch.int32)
-        selected = own_position.view(1, length, 1).expand(batch_size, length, width).contiguous()
+        if padding is None:
+            own_position = torch.arange(length, device=mask.device, dtype=torch.int32)
+            selected = own_position.view(1, length, 1).expand(batch_size, length, width).contiguous()
+        else:
+            selected = padding.to(torch.int32).clone()
         cos, sin = arguments["position_embeddings"]
         position_ids = arguments["position_ids"]
         for rows, columns in self.groups:
@@ -177,6 +184,15 @@ class SameLengthGroups:
 def _take(tensor: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, batch_size: int) -> torch.Tensor:
     """The `(documents, length, ...)` tokens of a group from a `(batch_size or 1, length, ...)` tensor."""
     return tensor[rows[:, None], columns] if tensor.shape[0] == batch_size else tensor[0, columns]
+
+
+def _one_padded_document_per_row(ids: np.ndarray) -> bool:
+    """Whether document ids read from an unpacked mask (`[[1, 1, 1, 0], [0, 1, 1, 1]]`: one document a row) have
+    padding, each row's tokens in one run: the indexer must then rank each row's document alone, not its padded row,
+    whose length changes which of several tied keys `topk` keeps."""
+    real = ids > 0
+    runs = real[:, :1].sum(axis=1) + (real[:, 1:] & ~real[:, :-1]).sum(axis=1)
+    return not real.all() and bool((runs <= 1).all())
 
 
 def _is_per_token(tensor, length: int) -> bool:
@@ -209,8 +225,8 @@ def read_documents(mask: torch.Tensor) -> ForwardDocuments | None:
     """
     The documents that a prepared mask isolates, read from it (one host copy): a document starts at every token that
     cannot see the token before it, so each padding token of a packed mask is a document of its own. A mask in which
-    some token cannot see itself is not packed (one document per row); a mask of a dtype other than bool or float
-    gives None.
+    some token cannot see itself is transformers' padded mask, not packed: those tokens are padding (id 0) and the
+    others one document per row. A mask of a dtype other than bool or float gives None.
 
     Example:
     ```python
@@ -221,7 +237,7 @@ def read_documents(mask: torch.Tensor) -> ForwardDocuments | None:
     array([[1, 1, 2, 3]])
     >>> padded = torch.ones(4, 4, dtype=torch.bool).tril() & torch.tensor([True, True, True, False])
     >>> read_documents(padded[None]).ids  # transformers' mask of 3 tokens and one padding token
-    array([[1, 1, 1, 1]])
+    array([[1, 1, 1, 0]])
 
     ```
     """
@@ -232,7 +248,9 @@ def read_documents(mask: torch.Tensor) -> ForwardDocuments | None:
     diagonals = torch.cat([visible.diagonal(dim1=-2, dim2=-1), visible.diagonal(-1, dim1=-2, dim2=-1)], dim=-1)
     host = forward_documents._to_host(diagonals)
     sees_itself, sees_previous = host[:, :length], host[:, length:]
+    if not sees_itself.all():
+        ids = sees_itself.astype(np.int64)
+        return ForwardDocuments(torch.from_numpy(ids), ids)
     ids = np.ones(mask.shape[:2], dtype=np.int64)
-    if sees_itself.all():
-        ids[:, 1:] += np.cumsum(~sees_previous, axis=1)
+    ids[:, 1:] += np.cumsum(~sees_previous, axis=1)
     return ForwardDocuments(torch.from_numpy(ids), ids)
