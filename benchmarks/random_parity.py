@@ -114,7 +114,8 @@ def main(argv=None) -> None:
         "",
         f"{len({result['model_type'] for result in results})} model types, {len(results)} cells (eager, sdpa "
         "varlen, sdpa dense, where transformers offers the backend and the hook takes the route), each on issue 25's "
-        f"row and {args.layouts} drawn layouts: logits and per-token losses of every packed document against the "
+        f"row and {args.layouts} drawn layouts (every third a batch of one document a row, most with trailing padding,"
+        " issue 35): logits and per-token losses of every packed document against the "
         f"document run alone, float32. Cells with a layout above 1e-5: {len(failing)}"
         + (f" ({', '.join(sorted({result['model_type'] for result in failing}))})." if failing else "."),
         "",
