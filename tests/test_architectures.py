@@ -124,7 +124,7 @@ def test_require_supported_looks_into_text_config():
 
 def test_every_exact_cell_is_a_run_of_the_parity_or_flash_matrix():
     """The table claims `exact` only where tests/test_parity.py or tests/test_flash_path.py runs that architecture on
-    that backend; `inferred` only on flash_attention_3 cells that are not run, whose flash_attention_2 cell is."""
+    that backend; `inferred` only on flash_attention_3/4 cells that are not run, whose flash_attention_2 cell is."""
     runs = {tuple(param.values[:2]) for param in test_parity.MATRIX} | set(test_flash_path.FLASH_MATRIX)
     backends = support_matrix.MATRIX_BACKENDS + support_matrix.FLASH_BACKENDS
     cells = {(t, backend): support_matrix._cell(t, backend) for t in supported_model_types() for backend in backends}
@@ -134,10 +134,11 @@ def test_every_exact_cell_is_a_run_of_the_parity_or_flash_matrix():
         if verdict == "exact":
             assert (model_type, backend) in runs, (model_type, backend, "claimed exact, never run")
         if verdict == "inferred":
-            assert backend == "flash_attention_3" and (model_type, backend) not in runs, (model_type, backend)
+            assert backend in support_matrix.FLASH_SAMPLES and (model_type, backend) not in runs, (model_type, backend)
             assert cells[model_type, "flash_attention_2"] == cell.replace("inferred", "exact", 1), model_type
-    inferred = sum(cell.startswith("inferred") for cell in cells.values())
-    assert 0 < inferred < len(supported_model_types())
+    for backend in support_matrix.FLASH_SAMPLES:
+        inferred = sum(cells[t, backend].startswith("inferred") for t in supported_model_types())
+        assert 0 < inferred < len(supported_model_types()), backend
 
 
 def test_a_proven_type_the_installed_release_lacks_is_refused_with_the_reason(monkeypatch):
@@ -151,19 +152,22 @@ def test_a_proven_type_the_installed_release_lacks_is_refused_with_the_reason(mo
     assert architectures._refused_model_types()["llama"] == reason
 
 
-def test_a_backend_an_older_release_cannot_build_is_not_available_there(monkeypatch):
-    """falcon's flash_attention_3 before transformers 5.23 (KeyError in transformers): n/a, with the reason."""
+@pytest.mark.parametrize("backend", ["flash_attention_3", "flash_attention_4"])
+def test_a_backend_an_older_release_cannot_build_is_not_available_there(monkeypatch, backend):
+    """falcon's flash_attention_3 and _4 before transformers 5.23 (KeyError in transformers): n/a, with the reason."""
     monkeypatch.setattr(releases, "TRANSFORMERS_VERSION", Version("5.18.0"))
-    assert not architectures.backend_available("falcon", "flash_attention_3")
-    assert support_matrix._cell("falcon", "flash_attention_3").startswith("n/a (before transformers 5.23.0: Falcon")
+    assert not architectures.backend_available("falcon", backend)
+    assert support_matrix._cell("falcon", backend).startswith("n/a (before transformers 5.23.0: Falcon")
     assert architectures.backend_available("falcon", "flash_attention_2")
     monkeypatch.setattr(releases, "TRANSFORMERS_VERSION", Version("5.23.0"))
-    assert architectures.backend_available("falcon", "flash_attention_3")
+    assert architectures.backend_available("falcon", backend)
 
 
 def test_flash_cells_name_the_kernel_transformers_loads_instead():
     assert support_matrix._cell("gpt_oss", "flash_attention_2") == "exact (runs kernels-community/vllm-flash-attn3)"
     assert support_matrix._cell("mimo_v2_flash", "flash_attention_3") == "inferred (runs flash_attention_4)"
+    assert support_matrix._cell("gpt_oss", "flash_attention_4") == "exact"  # FA4 is among its own kernels
+    assert support_matrix._cell("mistral", "flash_attention_4") == "inferred"
     assert support_matrix._cell("mpt", "flash_attention_2") == "n/a"
 
 

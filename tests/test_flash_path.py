@@ -3,9 +3,12 @@ reference kernel.
 
 FlashAttention cannot run on these CPU machines, so the tests tell transformers that flash-attn is installed and hand
 it a small reference implementation of `flash_attn_varlen_func` / `flash_attn_func` whichever FlashAttention kernel it
-loads (flash_attn, flash_attn_interface or a hub kernel). Everything else (the choice of attention classes and kernels
-when the model is built, the attention integration, `_flash_attention_forward`, `_upad_input`, `_get_unpad_data`,
-re-padding) is transformers' own code, so the tests see exactly which `cu_seqlens` and options a real kernel would get.
+loads (flash_attn, flash_attn_interface or a hub kernel). For FlashAttention 4, transformers' own
+`from flash_attn.cute import ...` runs and loads a stand-in with FA4's signatures
+(tests/fast_kernel_stand_ins/flash_attention_4), so transformers passes it what it passes the real kernel
+(`learnable_sink`, no dropout). Everything else (the choice of attention classes and kernels when the model is built,
+the attention integration, `_flash_attention_forward`, `_upad_input`, `_get_unpad_data`, re-padding) is transformers'
+own code, so the tests see exactly which `cu_seqlens` and options a real kernel would get.
 
 The reference does what the real kernels do for these models: GQA, causal masks, inclusive `window_size`, tanh
 `softcap`, attention sinks (`s_aux`, as vllm-flash-attn3 takes them; transformers picks such a kernel for the
@@ -14,11 +17,14 @@ alone through it gives the logits of eager attention (`FLASH_DIFFERS_FROM_EAGER`
 departs from eager, packed or not).
 """
 
+import importlib.util
 import itertools
+import os
 import sys
 
 import pytest
 import torch
+from flash_reference import attend
 from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 from transformers import masking_utils, modeling_flash_attention_utils as flash_utils, modeling_utils
 from transformers.integrations import flash_attention, hub_kernels, msa_attention
@@ -28,6 +34,7 @@ from llm_packing.errors import UnsupportedSetupError
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.support.architectures import (
     FLASH_ATTENTION_3_RUN,
+    FLASH_ATTENTION_4_RUN,
     FLASH_BACKENDS,
     REFUSED_BACKENDS,
     backend_available,
@@ -37,11 +44,15 @@ from llm_packing.hook.support.releases import backend_too_old
 
 
 TOLERANCE = 1e-5
-# flash_attention_3 differs from flash_attention_2 only in the kernel transformers loads (asserted by
-# `test_flash_attention_3_takes_the_flash_attention_2_path`), so it runs for a sample (the support table marks the
-# other cells as inferred): plain, sliding windows, softcap, attention sinks, and falcon's own FlashAttention class.
+# flash_attention_3 and flash_attention_4 differ from flash_attention_2 only in the kernel transformers loads (asserted
+# by `test_flash_attention_3_and_4_take_the_flash_attention_2_path`), so they run for a sample (the support table marks
+# the other cells as inferred): plain, sliding windows, softcap, attention sinks, and falcon's own FlashAttention
+# class; on FA4 also the architectures that name it among their own kernels.
 FLASH_MATRIX = [(model_type, "flash_attention_2") for model_type in supported_model_types()] + [
-    (model_type, "flash_attention_3") for model_type in FLASH_ATTENTION_3_RUN
+    (model_type, backend)
+    for backend, sample in (("flash_attention_3", FLASH_ATTENTION_3_RUN), ("flash_attention_4", FLASH_ATTENTION_4_RUN))
+    for model_type in sample
+    if model_type in supported_model_types()
 ]
 # transformers refuses FlashAttention while `prefix_lm=True` (it cannot express the PrefixLM mask overlay); the FA
 # cell covers the configs that can use it.
@@ -67,6 +78,10 @@ _LOADED_KERNEL = (
 )
 # Documents (5, 1, 7, 3) + 2 pad tokens, then (9, 2, 1, 6): one segment per document, in flattened order.
 PER_DOCUMENT_CU_SEQLENS = [0, 5, 6, 13, 16, 25, 27, 28, 34]
+# The FlashAttention 4 stand-in, a package `flash_attn` with the subpackage `cute`, in a folder of its own so that a
+# process with fast_kernel_stand_ins on its path (tests/test_mixers.py) finds no flash_attn.
+FLASH_ATTENTION_4_STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_kernel_stand_ins",
+                                          "flash_attention_4", "flash_attn")
 
 
 def reference_varlen(
@@ -93,7 +108,7 @@ def reference_varlen(
     assert max_seqlen_q == max_seqlen_k == int(cu_seqlens_q.diff().max())
     options = softmax_scale, causal, window_size, softcap, dropout_p, s_aux
     bounds = itertools.pairwise(cu_seqlens_q.tolist())
-    return torch.cat([_attend(q[start:end], k[start:end], v[start:end], *options) for start, end in bounds])
+    return torch.cat([attend(q[start:end], k[start:end], v[start:end], *options) for start, end in bounds])
 
 
 def reference_dense(
@@ -111,35 +126,7 @@ def reference_dense(
     """`flash_attn_func` in plain torch: q/k/v `[batch, length, heads, dim]`."""
     reference_dense.calls += 1
     options = softmax_scale, causal, window_size, softcap, dropout_p, s_aux
-    return torch.stack([_attend(*row, *options) for row in zip(q, k, v, strict=True)])
-
-
-def _attend(q, k, v, scale, causal, window_size, softcap, dropout_p, s_aux):
-    """One sequence: bottom-right aligned causal mask, inclusive `(left, right)` window, GQA by head groups, tanh
-    softcap, and a per-head sink logit that takes probability mass without a value."""
-    assert dropout_p == 0.0, "the models run in eval mode"
-    heads = q.shape[1]
-    k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, k) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    query_index = torch.arange(q.shape[0])[:, None] + (k.shape[0] - q.shape[0])
-    key_index = torch.arange(k.shape[0])[None, :]
-    allowed = torch.ones_like(scores[0], dtype=torch.bool)
-    if causal:
-        allowed &= key_index <= query_index
-    left, right = window_size
-    if left >= 0:
-        allowed &= key_index >= query_index - left
-    if right >= 0:
-        allowed &= key_index <= query_index + right
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if s_aux is None:
-        probabilities = scores.softmax(-1)
-    else:
-        sinks = s_aux.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-        probabilities = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probabilities, v)
+    return torch.stack([attend(*row, *options) for row in zip(q, k, v, strict=True)])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -154,9 +141,13 @@ def one_thread():
 @pytest.fixture
 def flash_model(monkeypatch):
     """A tiny-model builder for which transformers loads the reference kernel as every FlashAttention
-    implementation, for this test only."""
+    implementation, for this test only: the FA4 stand-in through its own import of `flash_attn.cute`."""
+    imports = flash_utils._lazy_imports
+    install_flash_attention_4(monkeypatch)
 
     def load_reference(implementation, attention_wrapper=None, allow_all_kernels=False):
+        if implementation == "flash_attention_4":
+            return imports(implementation, attention_wrapper, allow_all_kernels)
         if hub_kernels.is_kernel(implementation):
             # What `load_and_register_attn_kernel` registers for the hub kernels transformers names: FlashAttention
             # kernels behind its FA integration, the block-sparse MSA kernel behind its own function and sdpa masks.
@@ -180,6 +171,10 @@ def flash_model(monkeypatch):
     for version in flash_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX.values():
         monkeypatch.setitem(version, "general_availability_check", lambda **_: True)
     monkeypatch.setattr(modeling_utils.PreTrainedModel, "_flash_attn_import_error", lambda self, **_: None)
+    # Switching a built model's backend (`set_attn_implementation`, `configure_packing(attn_implementation=...)`) also
+    # checks that the weights sit on a FlashAttention device: here the CPU is one.
+    for version in flash_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX.values():
+        monkeypatch.setitem(version, "supported_devices", ((lambda: True, "cpu"),))
     # Real kernels take half precision, so transformers looks up the dtype of the module's first nn.Linear to cast
     # float32 queries to; here that cast is float32 -> float32, and GPT-2's Conv1D layers hold no nn.Linear at all.
     monkeypatch.setattr(flash_attention, "get_target_dtype", lambda query, module: None)
@@ -194,6 +189,36 @@ def flash_model(monkeypatch):
         return model
 
     return build
+
+
+def install_flash_attention_4(monkeypatch):
+    """tests/fast_kernel_stand_ins/flash_attention_4/flash_attn as the modules `flash_attn` and `flash_attn.cute`, for
+    this test only (nothing else in the process sees a flash_attn package); returns `flash_attn.cute`."""
+    package = None
+    for name, folder in (("flash_attn", FLASH_ATTENTION_4_STAND_IN),
+                         ("flash_attn.cute", os.path.join(FLASH_ATTENTION_4_STAND_IN, "cute"))):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        if package is not None:
+            package.cute = module
+        package = module
+    return package
+
+
+def kernel_calls(model) -> tuple[list[list[int]], int]:
+    """The `cu_seqlens_q` of each varlen call and the number of non-varlen calls of the reference kernel transformers
+    loaded for `model`, after checking that the other one was not called: the FA4 stand-in on flash_attention_4 (which
+    mimo_v2_flash runs for every FlashAttention request), else the flash_attn API reference."""
+    flash_attention_4 = sys.modules["flash_attn.cute"]
+    fa4_calls = flash_attention_4.flash_attn_varlen_func.calls, flash_attention_4.flash_attn_func.calls
+    reference_calls = reference_varlen.calls, reference_dense.calls
+    on_fa4 = model.config._attn_implementation == "flash_attention_4"
+    taken, other = (fa4_calls, reference_calls) if on_fa4 else (reference_calls, fa4_calls)
+    assert other == ([], 0), (model.config._attn_implementation, "called another kernel than the one it loaded")
+    return taken
 
 
 def _separate_logits(model, batch):
@@ -226,13 +251,14 @@ def _max_difference(logits, separate):
     )
 
 
-def test_flash_attention_3_takes_the_flash_attention_2_path():
-    """Same attention function and mask function: only the kernel differs, so FA3 needs no full sweep of its own."""
+@pytest.mark.parametrize("backend", ["flash_attention_3", "flash_attention_4"])
+def test_flash_attention_3_and_4_take_the_flash_attention_2_path(backend):
+    """Same attention function and mask function: only the kernel differs, so FA3 and FA4 need no full sweep."""
     attention = modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping
     masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    assert attention["flash_attention_3"] is attention["flash_attention_2"] is flash_attention.flash_attention_forward
-    assert masks["flash_attention_3"] is masks["flash_attention_2"] is masking_utils.flash_attention_mask
-    assert set(FLASH_BACKENDS) == {"flash_attention_2", "flash_attention_3"}
+    assert attention[backend] is attention["flash_attention_2"] is flash_attention.flash_attention_forward
+    assert masks[backend] is masks["flash_attention_2"] is masking_utils.flash_attention_mask
+    assert set(FLASH_BACKENDS) == {"flash_attention_2", "flash_attention_3", "flash_attention_4"}
 
 
 @pytest.mark.parametrize(("model_type", "backend"), FLASH_MATRIX)
@@ -263,7 +289,8 @@ def test_hub_flash_kernel_takes_the_same_path(flash_model, monkeypatch):
 def _assert_packed_equals_separate(model, model_type, **overrides):
     batch = packed_batch()
     separate = _separate_logits(model, batch)
-    assert reference_dense.calls > 0 and not reference_varlen.calls, "documents alone must take the FA path"
+    varlen_calls, dense_calls = kernel_calls(model)
+    assert dense_calls > 0 and not varlen_calls, "documents alone must take the FA path"
 
     eager = _separate_logits(tiny_model(model_type, "eager", **overrides), batch)
     eager_difference = max((separate[key] - eager[key]).abs().max().item() for key in separate)
@@ -274,7 +301,7 @@ def _assert_packed_equals_separate(model, model_type, **overrides):
 
     with packing_configured(model):
         logits = _packed_logits(model, batch)
-    calls = reference_varlen.calls
+    calls, _ = kernel_calls(model)
     assert calls and all(cu_seqlens == PER_DOCUMENT_CU_SEQLENS for cu_seqlens in calls), (model_type, calls)
     difference = _max_difference(logits, separate)
     assert difference <= TOLERANCE, (model_type, model.config._attn_implementation, difference)
@@ -338,13 +365,14 @@ def test_all_padding_row_on_the_flash_path(flash_model, model_type):
     assert _max_difference(logits, separate) <= TOLERANCE
 
 
-def test_flash_path_without_packing_merges_documents(flash_model):
+@pytest.mark.parametrize("backend", ["flash_attention_2", "flash_attention_4"])
+def test_flash_path_without_packing_merges_documents(flash_model, backend):
     """Negative control: unpatched, transformers booleanises the indexed mask and FlashAttention sees one segment
     per row, so later documents attend to earlier ones."""
-    model = flash_model("llama", "flash_attention_2")
+    model = flash_model("llama", backend)
     batch = packed_batch()
     separate = _separate_logits(model, batch)
     logits = _packed_logits(model, batch)
-    assert reference_varlen.calls == [[0, 16, 34]] * model.config.num_hidden_layers
+    assert kernel_calls(model)[0] == [[0, 16, 34]] * model.config.num_hidden_layers
     start, length = batch["documents"][1][3]
     assert (logits[1, start : start + length] - separate[(1, start)]).abs().max().item() > 1e-3

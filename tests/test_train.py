@@ -56,8 +56,16 @@ def test_every_recipe_parses(path, tmp_path):
     assert packing_args.block_diag_attn is True
     assert getattr(training_args, "packing", False) is False  # our packing, never TRL's (DPOConfig: no such key)
     assert (model_args.model_name_or_path is None) != (script_args.model_config is None)
-    if model_args.attn_implementation == "flash_attention_2":
+    if model_args.attn_implementation.startswith("flash_attention"):
         assert packing_args.max_docs_per_bin is not None  # bounds cu_seqlens per row
+
+
+def test_gpu_recipe_takes_flash_attention_4(tmp_path):
+    """The `[flash]` extra's kernel in place of the recipe's flash_attention_2, from the command line."""
+    _, _, model_args, packing_args = parse_args(["--config", os.path.join(ROOT, "recipes", "qwen2.5-0.5b-sft.yaml"),
+                                                 "--attn_implementation", "flash_attention_4", "--use_cpu", "true",
+                                                 "--output_dir", str(tmp_path)])
+    assert model_args.attn_implementation == "flash_attention_4" and packing_args.max_docs_per_bin == 512
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=os.path.basename)

@@ -99,7 +99,8 @@ def test_refused_model_type(tmp_path, monkeypatch, capsys):
     code, out, _ = run(["--model", str(tmp_path / "bert"), "--all-backends"], capsys)
     assert code == 1
     assert out.startswith("refused: eager, sdpa/varlen, sdpa/dense; unavailable: flash_attention_2, "
-                          "flash_attention_3; eager: Packing cannot isolate documents for model_type 'bert'")
+                          "flash_attention_3, flash_attention_4; eager: Packing cannot isolate documents for "
+                          "model_type 'bert'")
 
 
 def test_hook_left_off_is_contaminated(saved, tmp_path, monkeypatch, capsys):
@@ -139,14 +140,16 @@ def test_all_backends_name_what_did_not_run(saved, tmp_path, monkeypatch, capsys
     code, out, err = run(["--model", saved("llama"), "--all-backends", "--report", str(tmp_path / "r.json")], capsys)
     routes = {route["route"]: route for route in read(tmp_path / "r.json")["routes"]}
     assert code == 0, out
-    assert list(routes) == ["eager", "sdpa/varlen", "sdpa/dense", "flash_attention_2", "flash_attention_3"]
+    assert list(routes) == ["eager", "sdpa/varlen", "sdpa/dense", "flash_attention_2", "flash_attention_3",
+                            "flash_attention_4"]
     assert [routes[name]["kernel"] for name in ("eager", "sdpa/varlen", "sdpa/dense")] == [
         "additive document mask", "per-document SDPA (length buckets)", "dense L x L document mask"]
     assert all(routes[name]["status"] == "exact" for name in ("eager", "sdpa/varlen", "sdpa/dense"))
-    for name in ("flash_attention_2", "flash_attention_3"):
+    for name in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
         assert routes[name]["status"] == "unavailable" and "installed" in routes[name]["reason"]
         assert f"{name}: unavailable: " in err
-    assert out.startswith("exact: eager, sdpa/varlen, sdpa/dense; unavailable: flash_attention_2, flash_attention_3; ")
+    assert out.startswith("exact: eager, sdpa/varlen, sdpa/dense; unavailable: flash_attention_2, flash_attention_3, "
+                          "flash_attention_4; ")
 
 
 def test_varlen_route_refused_where_the_model_needs_the_dense_mask(saved, capsys):

@@ -53,7 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--dtype", choices=DTYPES, help="Weights' dtype (default: the recipe's, else float32).")
     add("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu).")
     add("--all-backends", "--all_backends", dest="all_backends", action="store_true",
-        help="Check every backend (eager, sdpa varlen and dense, flex_attention, flash_attention_2/3); missing "
+        help="Check every backend (eager, sdpa varlen and dense, flex_attention, flash_attention_2/3/4); missing "
         "kernels are named in the report.")
     add("--max_length", type=int, default=DEFAULT_COLUMNS,
         help=f"Tokens per packed row (default {DEFAULT_COLUMNS}, raised up to 1024 to cross a sliding window).")
@@ -137,7 +137,8 @@ def verdict_line(report: dict) -> str:
 def versions() -> dict[str, str | None]:
     """Versions of what the result depends on; `None` for a package that is not installed."""
     found = {"llm_packing": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    for package in ("transformers", "trl", "flash-attn", "flash-linear-attention", "causal-conv1d", "mamba-ssm"):
+    for package in ("transformers", "trl", "flash-attn", "flash-attn-4", "flash-linear-attention", "causal-conv1d",
+                    "mamba-ssm"):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

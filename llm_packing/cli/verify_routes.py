@@ -26,7 +26,7 @@ from ..hook.verify import Comparison, measure_packing
 
 # Every backend the hook has a route for, sdpa once per route: what `--all-backends` runs.
 ALL_ROUTES = (("eager", None), ("sdpa", "varlen"), ("sdpa", "dense"), ("flex_attention", None),
-              ("flash_attention_2", None), ("flash_attention_3", None))
+              ("flash_attention_2", None), ("flash_attention_3", None), ("flash_attention_4", None))
 # Packages of the hybrids' fast kernels: their mixers run on them where installed (CUDA), else on torch fallbacks.
 FAST_KERNEL_PACKAGES = ("fla", "causal_conv1d", "mamba_ssm")
 EXACT, CONTAMINATED, REFUSED, UNAVAILABLE, FAILED = "exact", "contaminated", "refused", "unavailable", "failed"

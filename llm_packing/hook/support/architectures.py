@@ -35,13 +35,19 @@ from .table import (
 ATTENTION_LAYER_TYPES = frozenset(
     {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
 )
-# Backends the parity matrix runs on CPU. FlashAttention goes through tests/test_flash_path.py's reference kernel:
-# every
-# supported architecture on flash_attention_2, the sample `FLASH_ATTENTION_3_RUN` on flash_attention_3 (the same
-# transformers code path); the table marks the other flash_attention_3 cells as inferred.
+# Backends the parity matrix runs on CPU. FlashAttention goes through tests/test_flash_path.py's reference kernels:
+# every supported architecture on flash_attention_2, a sample on flash_attention_3 and flash_attention_4 (the same
+# transformers code path with another kernel: flash_attn_interface, flash_attn.cute); the table marks their other
+# cells as inferred.
 MATRIX_BACKENDS = ("eager", "sdpa", "flex_attention")
-FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 FLASH_ATTENTION_3_RUN = ("llama", "qwen2", "gemma2", "gpt_oss", "falcon")  # plain, sliding, softcap, sinks, own class
+# FA4 takes attention sinks as `learnable_sink` and has no dropout: the same sample, and the architectures that name
+# flash_attention_4 among their own kernels (`_compatible_flash_implementations`; mimo_v2_flash runs it for every
+# FlashAttention request).
+FLASH_ATTENTION_4_RUN = FLASH_ATTENTION_3_RUN + ("flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash")
+# The FlashAttention backends run for a sample only, with the sample.
+FLASH_SAMPLES = {"flash_attention_3": FLASH_ATTENTION_3_RUN, "flash_attention_4": FLASH_ATTENTION_4_RUN}
 # The model-class flag with which transformers declares a backend (building a model without it raises ValueError).
 _BACKEND_FLAGS = {
     "eager": None,
@@ -49,6 +55,7 @@ _BACKEND_FLAGS = {
     "flex_attention": "_supports_flex_attn",
     "flash_attention_2": "_supports_flash_attn",
     "flash_attention_3": "_supports_flash_attn",
+    "flash_attention_4": "_supports_flash_attn",
 }
 
 # Source text that marks layers with a state across the row: the recurrent-mask builder, or a non-attention layer kind.

@@ -9,8 +9,8 @@ checks that the committed file is what this prints.
 
 from ... import _compat
 from .architectures import (
-    FLASH_ATTENTION_3_RUN,
     FLASH_BACKENDS,
+    FLASH_SAMPLES,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
     REFUSED_LAYER_TYPES,
@@ -49,7 +49,8 @@ def _cell(model_type: str, backend: str) -> str:
 
         route, reason = sdpa_route(AutoConfig.for_model(model_type))
         return "exact (varlen)" if route == "varlen" else f"exact (dense: {reason})"
-    verdict = "inferred" if backend == "flash_attention_3" and model_type not in FLASH_ATTENTION_3_RUN else "exact"
+    sample = FLASH_SAMPLES.get(backend)
+    verdict = "inferred" if sample is not None and model_type not in sample else "exact"
     substitute = _flash_substitute(model_type, backend)
     return f"{verdict} (runs {substitute})" if substitute else verdict
 
@@ -74,8 +75,10 @@ def support_matrix_markdown() -> str:
         "layouts drawn at random (`tests/random_layouts.py`; 20 in `benchmarks/results/random_parity.md`); "
         "`tests/test_flash_path.py` runs transformers' "
         "own FlashAttention code path with a reference varlen kernel (sliding windows, softcap, GQA, attention "
-        "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3. `inferred`: not run; "
-        "flash_attention_3 takes flash_attention_2's path with another kernel (the test asserts it), so the cell "
+        "sinks): every architecture on flash_attention_2 and a sample on flash_attention_3 and flash_attention_4 "
+        "(for FA4, transformers imports a stand-in `flash_attn.cute` with FlashAttention 4's signature, so it passes "
+        "what it passes the real kernel: `learnable_sink`, no dropout). `inferred`: not run; flash_attention_3 and "
+        "flash_attention_4 take flash_attention_2's path with another kernel (the test asserts it), so the cell "
         "follows from the flash_attention_2 one. `exact (varlen)` on sdpa: packed batches take the varlen route "
         "(per-document SDPA, "
         "`llm_packing/hook/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "

@@ -14,10 +14,11 @@ from ..._compat import TRANSFORMERS_VERSION
 
 # (model type, backend) -> (first release on which transformers builds it, what happens before): the cell is n/a there.
 BACKENDS_FROM: dict[tuple[str, str], tuple[str, str]] = {
-    ("falcon", "flash_attention_3"): (
+    ("falcon", backend): (
         "5.23.0",
-        "FalconDecoderLayer looks flash_attention_3 up in FALCON_ATTENTION_CLASSES, which has no such key (KeyError)",
-    ),
+        f"FalconDecoderLayer looks {backend} up in FALCON_ATTENTION_CLASSES, which has no such key (KeyError)",
+    )
+    for backend in ("flash_attention_3", "flash_attention_4")
 }
 
 
