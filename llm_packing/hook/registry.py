@@ -12,15 +12,34 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 _MISSING = object()  # the attribute was inherited, not set on the object itself
 _MARK = "__llm_packing_replacement__"
 
 
 def ours(function):
-    """Mark `function` as one the hook binds in transformers' place (and return it)."""
+    """`function`, as one the hook binds in transformers' place: marked, and run outside `torch.compile`'s graphs
+    ([`outside_graphs`])."""
+    function = outside_graphs(function)
     setattr(function, _MARK, True)
     return function
+
+
+def outside_graphs(function):
+    """
+    `function`, run eagerly on every call even inside a compiled model (`torch.compiler.disable`): dynamo breaks the
+    graph at the call instead of tracing it.
+
+    Every replacement of the hook reads the batch's document layout on the host (the one device-to-host copy of a
+    forward, numpy, per-forward state) and decides from it how many kernel calls to make. Traced, those values became
+    constants of the graph: the next batch of the same shape ran with the first batch's documents (refused by the
+    position check from the second batch on, issue 37), and a batch of a new shape failed to trace. Run eagerly, each
+    forward derives its own layout, and what the layout decides (document counts, bucket sizes) never becomes a guard
+    that recompiles; the layers around the calls compile.
+    """
+    return torch.compiler.disable(function, recursive=True)
 
 
 def is_ours(function) -> bool:
@@ -82,7 +101,7 @@ def add_forward_pre_hook(module, kind: str, hook) -> None:
     [`restore_all`]."""
     key = (id(module), kind)
     if key not in _hooks:
-        _hooks[key] = module.register_forward_pre_hook(hook, with_kwargs=True)
+        _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True)
 
 
 def replaced_objects() -> list[tuple[Any, Any]]:

@@ -117,6 +117,7 @@ def _cut_into_chunks(starts: np.ndarray, lengths: np.ndarray, chunk: int) -> tup
     return starts[document] + index * chunk, np.minimum(lengths[document] - index * chunk, chunk)
 
 
+@registry.outside_graphs
 def packed_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
