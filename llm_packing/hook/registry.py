@@ -39,7 +39,10 @@ def outside_graphs(function):
     forward derives its own layout, and what the layout decides (document counts, bucket sizes) never becomes a guard
     that recompiles; the layers around the calls compile.
     """
-    return torch.compiler.disable(function, recursive=True)
+    eager = torch.compiler.disable(function, recursive=True)
+    if hasattr(function, "__wrapped__"):  # what our replacement wraps stays one step away: transformers' original
+        eager.__wrapped__ = function.__wrapped__
+    return eager
 
 
 def is_ours(function) -> bool:
