@@ -168,8 +168,9 @@ def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch, torch_sign
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
     assert {window for _, _, window, _, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
-    longest = max(max(lengths) for lengths in ((5, 1, 7, 3), (9, 2, 1, 6)))
-    assert calls[0][1] == longest
+    # The whole batch in place: the documents and row 0's two padding tokens as segments, no gather or scatter.
+    assert calls[0][0] == [0, 5, 6, 13, 16, 18, 27, 29, 30, 36]
+    assert calls[0][1] == 9  # the longest document
     kv_heads = model.config.num_key_value_heads
     if torch_signature == "2.13":
         assert all(gqa and heads == kv_heads for *_, gqa, heads in calls)

@@ -5,7 +5,8 @@ On sdpa the patched mask builders hand every attention layer a [`PackedAttention
 indexed mask: documents grouped into a few length buckets, with the gather indices that pull each bucket's tokens out
 of the flattened batch. The sdpa attention function (replaced in `ALL_ATTENTION_FUNCTIONS` while packing is
 configured) then runs, per layer:
-- on CUDA in float16/bfloat16, torch's own `torch.nn.attention.varlen.varlen_attn` over every document in one call;
+- on CUDA in float16/bfloat16, torch's own `torch.nn.attention.varlen.varlen_attn` in one call over the whole batch in
+  place, its documents and padding runs as segments (no gather, no scatter);
 - otherwise one `scaled_dot_product_attention` call per bucket (`is_causal=True`, no mask for full attention), so
   attention costs the sum of each document's own `l^2` and memory stays linear in tokens.
 Sliding windows are a band mask per bucket (only for buckets longer than the window); chunked attention cuts every
@@ -40,7 +41,9 @@ class PackedAttentionMask:
     last token and are never attended, as causal attention only looks back), `source` (positions of real tokens in the
     concatenated, flattened bucket outputs), `destination` (their flat positions in the batch; `destination` lists
     each document's tokens together, in the order of `cu_seqlens`), `cu_seqlens` (int32), `max_seqlen`, `window`
-    (sliding window in tokens or `None`).
+    (sliding window in tokens or `None`), and `segments` / `max_segment` (int32 boundaries cutting the whole
+    flattened batch, in place, into its documents and its runs of padding, and the longest: a varlen kernel given
+    these needs no gather before it and no scatter after it).
 
     Example:
     ```python
@@ -51,6 +54,8 @@ class PackedAttentionMask:
     [[[2, 3, 4], [9, 10, 11], [0, 1, 1], [7, 8, 8], [6, 6, 6]]]
     >>> layout.cu_seqlens
     tensor([ 0,  3,  6,  8, 10, 11], dtype=torch.int32)
+    >>> layout.segments  # in place: document, document, padding, then the second row's three documents
+    tensor([ 0,  2,  5,  6,  7,  9, 12], dtype=torch.int32)
 
     ```
     """
@@ -62,6 +67,8 @@ class PackedAttentionMask:
     destination: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    segments: torch.Tensor
+    max_segment: int
     window: int | None = None
 
     @classmethod
@@ -81,6 +88,7 @@ class PackedAttentionMask:
         starts, lengths = documents.starts, documents.lengths
         if chunk is not None:
             starts, lengths = _cut_into_chunks(starts, lengths, chunk)
+        segments = np.unique(np.concatenate([[0, batch_size * length], starts, starts + lengths]))
         order = np.argsort(-lengths, kind="stable")
         starts, lengths = starts[order], lengths[order]
         buckets, sources, destinations, offset = [], [], [], 0
@@ -106,6 +114,8 @@ class PackedAttentionMask:
             destination=to_device(np.concatenate(destinations) if destinations else np.zeros(0)),
             cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(device),
             max_seqlen=int(lengths.max(initial=0)),
+            segments=torch.from_numpy(segments.astype(np.int32)).to(device),
+            max_segment=int(np.diff(segments).max(initial=0)),
             window=window,
         )
 
@@ -143,12 +153,13 @@ def packed_sdpa_attention(
     flat = [tensor.transpose(1, 2).reshape(batch_size * length, tensor.shape[1], tensor.shape[3])
             for tensor in (query, key, value)]
     if _use_torch_varlen(query, key, value, dropout):
-        tokens = [tensor.index_select(0, mask.destination) for tensor in flat]
-        output = _torch_varlen_attention(tokens, mask, scaling)
-    else:
-        output = torch.cat([
-            _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
-        ]).index_select(0, mask.source)
+        # The whole batch in place, padding runs as segments of their own: no gather, no scatter. Padding outputs
+        # are then attention within the padding run, not zeros; nothing real attends to them.
+        output = _torch_varlen_attention(flat, mask, scaling)
+        return output.view(batch_size, length, heads, value.shape[3])
+    output = torch.cat([
+        _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
+    ]).index_select(0, mask.source)
     result = flat[2].new_zeros(batch_size * length, heads, value.shape[3]).index_copy(0, mask.destination, output)
     return result.view(batch_size, length, heads, value.shape[3])
 
@@ -185,9 +196,9 @@ def _use_torch_varlen(query, key, value, dropout: float) -> bool:
 
 
 def _torch_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
-    """One call of torch's varlen kernel over every document of `tokens` (query, key, value, each
-    `(tokens, heads, dim)`). A torch whose kernel takes no `enable_gqa` (2.11) gets the key and value heads repeated
-    for grouped-query attention."""
+    """One call of torch's varlen kernel over the segments of the flattened batch `tokens` (query, key, value, each
+    `(batch_size * length, heads, dim)`). A torch whose kernel takes no `enable_gqa` (2.11) gets the key and value
+    heads repeated for grouped-query attention."""
     function = torch_varlen_attn()
     query, key, value = tokens
     options = {"scale": scaling, "window_size": (-1, 0) if mask.window is None else (mask.window - 1, 0)}
@@ -197,7 +208,7 @@ def _torch_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMas
         else:
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return function(query, key, value, mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen, **options)
+    return function(query, key, value, mask.segments, mask.segments, mask.max_segment, mask.max_segment, **options)
 
 
 def torch_varlen_attn():
