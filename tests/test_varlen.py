@@ -187,6 +187,32 @@ def test_a_torch_without_varlen_attn_takes_the_per_document_route(monkeypatch):
     assert not varlen._use_torch_varlen(cuda_half, cuda_half, cuda_half, 0.0)
 
 
+def test_auto_takes_the_dense_route_where_it_is_faster(monkeypatch):
+    """`attention_route="auto"` builds transformers' dense mask where `auto_takes_dense` says so (on CUDA for rows up
+    to 4,096 tokens; a CPU batch stands in for one here), and the varlen layout elsewhere; both exact."""
+    model = tiny_model("qwen2", "sdpa")
+    batch = packed_batch()
+    layouts = []
+    monkeypatch.setattr(varlen, "packed_sdpa_attention", _recording(varlen.packed_sdpa_attention, layouts))
+    logits = {}
+    for dense in (False, True):
+        monkeypatch.setattr(varlen, "auto_takes_dense", lambda device_type, length, dense=dense: dense)
+        layouts.clear()
+        with packing_configured(model, attention_route="auto"), torch.no_grad():
+            logits[dense] = model(**{key: batch[key] for key in INPUTS}).logits
+        assert bool(layouts) != dense
+    real = batch["attention_mask"] > 0
+    assert (logits[True] - logits[False])[real].abs().max() <= 1e-5
+
+
+def _recording(function, calls: list):
+    def recorded(*args, **kwargs):
+        calls.append(args[4])
+        return function(*args, **kwargs)
+
+    return recorded
+
+
 class TestRouteSwitch:
     def test_unknown_route_is_refused_with_the_allowed_set(self):
         model = tiny_model("llama", "sdpa")

@@ -49,10 +49,10 @@ def configure_packing(
             How sdpa attends packed batches; by default the route already chosen in this process (`"auto"` at first,
             and again after [`unconfigure_packing`]), so that configuring a second time, as
             [`~llm_packing.trainers.sft.PackedSFTTrainer`] does, keeps a forced route. `"auto"`: the varlen route
-            (each document's own causal block, memory
-            linear in tokens; see `llm_packing.hook.varlen`) where the architecture allows it, else transformers' dense
-            `(batch, 1, length, length)` mask. `"dense"` forces the dense mask; `"varlen"` raises unless the varlen
-            route is taken. Other backends ignore `"auto"` and `"dense"`.
+            (each document's own causal block, memory linear in tokens; see `llm_packing.hook.varlen`) where the
+            architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens (faster there,
+            measured), else transformers' dense `(batch, 1, length, length)` mask. `"dense"` forces the dense mask;
+            `"varlen"` raises unless the varlen route is taken. Other backends ignore `"auto"` and `"dense"`.
 
     Returns:
         The same `model_or_config`, for chaining.

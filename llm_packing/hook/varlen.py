@@ -29,6 +29,11 @@ from .documents import bucket_bounds, documents_of
 
 
 ROUTES = ("auto", "varlen", "dense")
+# `attention_route="auto"` on CUDA: the dense route for rows up to this length. Measured on an H200 (torch 2.11, bf16,
+# a 0.5B config, rows of 2,048 tokens; docs/performance.md): the dense route trained 1.6-1.9x TRL's packing and 2.8x
+# the varlen route, while an L x L mask stays small. Longer rows keep the varlen route, whose memory is linear in
+# tokens; `benchmarks/gpu_check.py` measures the crossover at 4,096 and 16,384.
+DENSE_ON_CUDA_UP_TO = 4096
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,8 +266,8 @@ def check_route(attention_route, config) -> None:
         attention_route = _route
 
     check_choice("attention_route", attention_route, ROUTES, fix=(
-        "'auto' takes the varlen route on sdpa where the architecture allows it, 'dense' forces transformers' dense "
-        "mask."
+        "'auto' takes the varlen route on sdpa where the architecture allows it (the dense route on CUDA for rows up "
+        f"to {DENSE_ON_CUDA_UP_TO} tokens), 'dense' forces transformers' dense mask."
     ))
     backend = getattr(config, "_attn_implementation", None)
     if attention_route == "varlen":
@@ -286,6 +291,8 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     config = arguments["config"]
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
         return None
+    if _route == "auto" and auto_takes_dense(attention_mask.device.type, attention_mask.shape[-1]):
+        return None
     if builder_name == "create_sliding_window_causal_mask":
         return packed_attention_mask(attention_mask, window=config.sliding_window)
     if builder_name == "create_chunked_causal_mask":
@@ -293,16 +300,52 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     return packed_attention_mask(attention_mask)
 
 
+# Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
+# piece of each row's queries and the layout of the whole row; None while it is not configured.
+sharded_attention = None
+
+
+def auto_takes_dense(device_type: str, length: int) -> bool:
+    """
+    Whether `attention_route="auto"` takes the dense route for rows of `length` tokens on `device_type`: on CUDA up
+    to `DENSE_ON_CUDA_UP_TO` tokens (faster there, measured), elsewhere never (on CPU the varlen route is faster and
+    its memory linear).
+
+    Example:
+    ```python
+    >>> from llm_packing.hook.varlen import auto_takes_dense
+    >>> auto_takes_dense("cuda", 2048), auto_takes_dense("cuda", 16384), auto_takes_dense("cpu", 2048)
+    (True, False, False)
+
+    ```
+    """
+    return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO
+
+
 def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' `sdpa_attention_forward`, except that a [`PackedAttentionMask`] takes the varlen route."""
+    """transformers' `sdpa_attention_forward`, except that a [`PackedAttentionMask`] takes the varlen route (and a
+    layout longer than the queries, a sequence-parallel shard's, takes [`sharded_attention`])."""
     if isinstance(attention_mask, PackedAttentionMask):
-        output = packed_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        return output, None
+        attend = packed_sdpa_attention
+        if attention_mask.length != query.shape[2]:
+            attend = _sharded_attention(attention_mask, query)
+        return attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs), None
     from transformers.integrations import sdpa_attention
 
     return sdpa_attention.sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def _sharded_attention(mask: PackedAttentionMask, query: torch.Tensor):
+    if sharded_attention is None:
+        raise UnsupportedSetupError(
+            f"A packed row of {mask.length} tokens reached attention with {query.shape[2]} queries a row: a piece of "
+            "each row, without sequence parallelism configured. Call "
+            "`llm_packing.parallel.configure_sequence_parallel(model, sequence_parallel_size)` on every rank, or pass "
+            "the whole row's `input_ids`."
+        )
+    return sharded_attention
 
 
 def install() -> None:
