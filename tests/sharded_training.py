@@ -1,0 +1,182 @@
+"""One sharded training step on CPU ranks, and the single-process step it must equal (`tests/test_fsdp.py`).
+
+Each rank of a gloo group builds the same tiny model, shards it with torch's FSDP2 (`fully_shard` on every decoder
+layer, then the root), trains its half of the packed rows for one step and compares, parameter by parameter, the
+gradient and the weights after the step with references it computes itself without any process group:
+- `single`: one unsharded process on all rows at once, packed the same way;
+- `documents`: every document alone (its own row, positions from 0), no packing at all.
+
+Each rank's loss is summed over the GLOBAL count of trained tokens and multiplied by the number of ranks, as
+`transformers.Trainer` does with `average_tokens_across_devices` (its default): FSDP's mean over ranks then gives the
+gradient of the global loss. Rank 0 writes the largest differences of every case to a JSON file.
+"""
+
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from tiny_models import tiny_model
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE,
+    apply_activation_checkpointing,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from llm_packing import DataCollatorWithPacking, configure_packing, unconfigure_packing
+
+
+WORLD_SIZE = 2
+LEARNING_RATE = 0.5
+# Packed rows of up to 20 tokens, split two a rank: 1-3 documents a row, one-token documents, documents longer than
+# the 4-token sliding window and the 4-token SSM chunks, a document filling its row, and trailing padding.
+ROW_DOCUMENTS = ((7, 1, 9), (20,), (5, 6), (1, 13, 4))
+ROW_LENGTH = 20
+VOCAB = 128
+
+
+def cases(model_types):
+    """`(model_type, reshard_after_forward, checkpointing, indexed)` of every case, run in this order: the negative
+    controls (`indexed=False`) last, as they undo the hook."""
+    positives = [
+        (model_type, reshard, checkpointing, True)
+        for model_type in model_types
+        for reshard in (True, False)
+        for checkpointing in ("none", "transformers", "torch")
+    ]
+    return positives + [(model_type, True, "none", False) for model_type in model_types]
+
+
+def case_name(case) -> str:
+    model_type, reshard, checkpointing, indexed = case
+    mask = "indexed" if indexed else "0/1 mask"
+    return f"{model_type}-reshard_{reshard}-checkpointing_{checkpointing}-{mask}"
+
+
+def packed_rows(seed: int = 0) -> list[dict]:
+    """`pack_dataset`-style rows: `input_ids` and `seq_lengths`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(3, VOCAB, (sum(lengths),), generator=generator).tolist(), "seq_lengths": lengths}
+        for lengths in ROW_DOCUMENTS
+    ]
+
+
+def collate(rows, indexed: bool) -> dict:
+    """Rows as `DataCollatorWithPacking` collates them; without `indexed`, as a collator that knows nothing of packing
+    would: a 0/1 mask and no `position_ids` (the labels keep each document's first token untrained)."""
+    batch = DataCollatorWithPacking(pad_token_id=0, check_model_configured=False)(rows)
+    if not indexed:
+        batch["attention_mask"] = (batch["attention_mask"] > 0).long()
+        del batch["position_ids"]
+    return batch
+
+
+def trained_tokens(batch) -> int:
+    """Targets the model's shifted loss scores: labels after the first position that are not -100."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def worker(rank: int, port: int, model_types, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        results = {case_name(case): run_case(rank, *case) for case in cases(model_types)}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as file:
+            json.dump(results, file)
+
+
+def run_case(rank, model_type, reshard, checkpointing, indexed) -> dict:
+    rows = packed_rows()
+    model = tiny_model(model_type).train()  # seeded: the same weights on every rank
+    if indexed:
+        configure_packing(model)
+    else:
+        unconfigure_packing()
+    single = _reference_step(copy.deepcopy(model), rows, per_document=False)
+    documents = _reference_step(copy.deepcopy(model), rows, per_document=True)
+
+    global_tokens = trained_tokens(collate(rows, indexed=True))
+    _shard(model, reshard, checkpointing)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    batch = collate(rows[rank * 2 : rank * 2 + 2], indexed)
+    calls = _count_layer_calls(model)
+    loss = model(**batch, num_items_in_batch=global_tokens).loss * WORLD_SIZE
+    loss.backward()
+    # Sharded for real, and recomputed in the backward where checkpointed: the layers ran twice.
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert sum(p.to_local().numel() for p in model.parameters()) < sum(p.numel() for p in model.parameters())
+    assert calls == [1 if checkpointing == "none" else 2] * len(calls), (checkpointing, calls)
+    gradients = {_unwrapped(name): p.grad.full_tensor() for name, p in model.named_parameters()}
+    optimizer.step()
+    weights = {_unwrapped(name): p.full_tensor().detach() for name, p in model.named_parameters()}
+    return {
+        reference: {
+            "gradients": _max_difference(gradients, expected["gradients"]),
+            "weights": _max_difference(weights, expected["weights"]),
+            "largest_gradient": max(g.abs().max().item() for g in expected["gradients"].values()),
+        }
+        for reference, expected in (("single", single), ("documents", documents))
+    }
+
+
+def _shard(model, reshard: bool, checkpointing: str) -> None:
+    """FSDP2 as accelerate's `fsdp_version: 2` applies it: each decoder layer, then the root; activation checkpointing
+    either by transformers (the recipes' `activation_checkpointing: true`) or by torch's wrapper around each decoder
+    layer (accelerate's `fsdp_activation_checkpointing: true`)."""
+    layers = model.model.layers
+    if checkpointing == "transformers":
+        model.activation_checkpointing_enable()
+    elif checkpointing == "torch":
+        layer_type = type(layers[0])
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, layer_type))
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+
+
+def _count_layer_calls(model) -> list[int]:
+    """A list that counts, per decoder layer, the calls of its feed-forward block (inside any checkpoint wrapper), on
+    entry: a non-reentrant recompute stops once it has the tensors it needs, before the block returns."""
+    calls = [0] * len(model.model.layers)
+    for index, layer in enumerate(model.model.layers):
+        inner = getattr(layer, _CHECKPOINT_WRAPPED_MODULE, layer)
+        inner.mlp.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
+
+
+def _reference_step(model, rows, per_document: bool) -> dict:
+    """Gradients and weights after one SGD step of one process on all rows: packed as `DataCollatorWithPacking`
+    collates them, or each document alone in a row of its own."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    batch = collate(rows, indexed=True)
+    global_tokens = trained_tokens(batch)
+    if per_document:
+        for row in rows:
+            start = 0
+            for length in row["seq_lengths"]:
+                alone = collate([{"input_ids": row["input_ids"][start : start + length], "seq_lengths": [length]}],
+                                indexed=True)
+                model(**alone, num_items_in_batch=global_tokens).loss.backward()
+                start += length
+    else:
+        model(**batch, num_items_in_batch=global_tokens).loss.backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    return {"gradients": gradients, "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def _unwrapped(name: str) -> str:
+    """The parameter's name in the model before torch's checkpoint wrapper went around its layer."""
+    return name.replace(f"{_CHECKPOINT_WRAPPED_MODULE}.", "")
+
+
+def _max_difference(actual: dict, expected: dict) -> float:
+    assert actual.keys() == expected.keys(), actual.keys() ^ expected.keys()
+    return max((actual[name] - expected[name]).abs().max().item() for name in expected)
