@@ -1,8 +1,9 @@
 """llm_packing: uncontaminated sequence packing for Hugging Face Trainer and TRL fine-tuning.
 
 The public API, each name imported from its sub-package on first use. The layers, bottom up: `core` (the packing
-engine, numpy only), `data` (`pack_dataset`), `hook` (`configure_packing` and the support table), `batches` (the
-collator, the packed forward of padded batches), `trainers` (TRL's trainers, packed), `demo` and `cli`.
+engine, numpy only), `data` (`pack_dataset`), `hook` (`configure_packing` and the support table), `parallel`
+(sequence parallelism), `batches` (the collator, the packed forward of padded batches), `trainers` (TRL's trainers,
+packed), `demo` and `cli`.
 
 May import: any sub-package, lazily.
 """
@@ -39,6 +40,7 @@ _EXPORTS = {
     "PackedRewardTrainer": "trainers.reward",
     "PackedSFTTrainer": "trainers.sft",
     "verify_packing": "hook.verify",
+    **dict.fromkeys(("configure_sequence_parallel", "shard_packed_batch"), "parallel"),
     "PackingArguments": "cli.arguments",
 }
 
@@ -99,6 +101,10 @@ if TYPE_CHECKING:
     from .hook.masks import is_indexed_packed_mask as is_indexed_packed_mask
     from .hook.support.architectures import supported_model_types as supported_model_types
     from .hook.verify import verify_packing as verify_packing
+    from .parallel import (
+        configure_sequence_parallel as configure_sequence_parallel,
+        shard_packed_batch as shard_packed_batch,
+    )
     from .trainers.dpo import PackedDPOTrainer as PackedDPOTrainer
     from .trainers.grpo import PackedGRPOTrainer as PackedGRPOTrainer
     from .trainers.reward import PackedRewardTrainer as PackedRewardTrainer

@@ -29,6 +29,7 @@ LAYERS = {
     "data": {"core", "errors"},
     "hook": {"core", "errors", "_compat"},
     "batches": {"core", "errors", "_compat", "hook"},
+    "parallel": {"core", "errors", "_compat", "hook"},
     "trainers": {"core", "errors", "_compat", "hook", "batches", "data"},
     "demo": {"core", "errors"},
     "train": {"cli"},

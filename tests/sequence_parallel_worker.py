@@ -1,0 +1,99 @@
+"""One rank of the sequence-parallel parity tests (`test_sequence_parallel.py`), started by
+`torch.multiprocessing.spawn` on gloo CPU ranks: runs every case on its piece of each row and, on rank 0, saves the
+whole rows' logits, the loss and every parameter's gradient for the test to compare with each document run alone."""
+
+import datetime
+import functools
+
+import torch
+import torch.distributed as dist
+from tiny_models import VOCAB_SIZE, tiny_model
+
+from llm_packing import DataCollatorWithPacking, configure_packing, unconfigure_packing
+from llm_packing.hook.masks import document_position_ids
+from llm_packing.parallel import configure_sequence_parallel, shard_packed_batch, sum_gradients
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@functools.cache
+def _model(model_type: str, kv_heads: int, dtype: str):
+    return tiny_model(model_type, "sdpa", num_key_value_heads=kv_heads).to(DTYPES[dtype]).train()
+
+
+def build_model(model_type: str, kv_heads: int, dtype: str):
+    """The tiny model of a case in training mode, without gradients; built once per process (the layouts of a
+    model share it)."""
+    model = _model(model_type, kv_heads, dtype)
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def packed_rows(layout, seed: int = 0):
+    """`DataCollatorWithPacking`'s batch of packed rows, one per tuple of document lengths in `layout`."""
+    generator = torch.Generator().manual_seed(seed)
+    features = [
+        {"input_ids": torch.randint(3, VOCAB_SIZE, (sum(lengths),), generator=generator).tolist(),
+         "seq_lengths": list(lengths)}
+        for lengths in layout
+    ]
+    return DataCollatorWithPacking(check_model_configured=False)(features)
+
+
+def run(rank: int, world: int, port: int, cases: list[dict], path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    try:
+        for case in cases:
+            model = build_model(case["model_type"], case["kv_heads"], case["dtype"])
+            batch = packed_rows(case["layout"])
+            piece = (local_piece if case.get("local") else shard_packed_batch)(batch, rank, world)
+            if case.get("local"):
+                configure_packing(model)
+            else:
+                configure_sequence_parallel(model, world)
+            try:
+                output = model(**piece)
+            finally:
+                unconfigure_packing()
+            loss = output.loss
+            if case["dtype"] == "float64":
+                # transformers' causal LM loss computes in float32 (`logits.float()`): in float64 the same sum of
+                # token losses over the batch's targets, in float64.
+                loss = torch.nn.functional.cross_entropy(
+                    output.logits.flatten(0, 1), piece["shift_labels"].flatten(), reduction="sum"
+                ) / piece["num_items_in_batch"]
+            loss.backward()
+            group = dist.group.WORLD
+            sum_gradients(model, group)
+            logits = [torch.empty_like(output.logits) for _ in range(world)]
+            dist.all_gather(logits, output.logits.detach().contiguous())
+            loss, model_loss = loss.detach().clone(), output.loss.detach().clone()
+            dist.all_reduce(loss)
+            dist.all_reduce(model_loss)
+            results[case["name"]] = {
+                "logits": torch.cat(logits, dim=1)[:, : batch["input_ids"].shape[1]],
+                "loss": loss,
+                "model_loss": model_loss,
+                "grads": {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+            }
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, path)
+
+
+def local_piece(batch, rank: int, world: int) -> dict:
+    """The negative control: each rank's piece attended alone, its documents renumbered from 1 and positions
+    restarting in the piece (as a shard knowing no global boundaries would), the loss still over global targets."""
+    piece = shard_packed_batch(batch, rank, world)
+    width = piece["input_ids"].shape[1]
+    ids = piece.pop("attention_mask")[:, rank * width : (rank + 1) * width]
+    first = ids[:, :1].clamp(min=1)
+    local = torch.where(ids > 0, ids - first + 1, 0)
+    piece["attention_mask"] = local
+    piece["position_ids"] = document_position_ids(local)
+    return piece
