@@ -97,3 +97,57 @@ def local_piece(batch, rank: int, world: int) -> dict:
     piece["attention_mask"] = local
     piece["position_ids"] = document_position_ids(local)
     return piece
+
+
+# One SGD step of PackedSFTTrainer (learning rate 1, no clipping), so that each parameter's change is its gradient.
+TRAINER_DOCUMENT_LENGTHS = (5, 1, 7, 3, 9, 2, 1, 6, 8, 4, 11, 2, 3)
+TRAINER_ROW_LENGTH = 18
+
+
+def packed_dataset():
+    from datasets import Dataset
+
+    from llm_packing import pack_dataset
+
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
+                 for length in TRAINER_DOCUMENT_LENGTHS]
+    return pack_dataset(Dataset.from_dict({"input_ids": documents}), TRAINER_ROW_LENGTH)
+
+
+def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int, path: str) -> None:
+    import os
+    import tempfile
+
+    from accelerate.state import AcceleratorState, PartialState
+    from trl import SFTConfig
+
+    from llm_packing import PackedSFTTrainer
+    from llm_packing.demo.chitchat import load_demo_tokenizer
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The forked rank inherits the parent's accelerate state (one process): start from none.
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    model = tiny_model("llama", "sdpa").train()
+    args = SFTConfig(
+        output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
+        bf16=False, activation_checkpointing=False, report_to="none", save_strategy="no", logging_strategy="no",
+        max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
+    )
+    try:
+        trainer = PackedSFTTrainer(
+            model=model, args=args, train_dataset=packed_dataset(), processing_class=load_demo_tokenizer(),
+            data_collator=DataCollatorWithPacking(pad_token_id=0, max_length=TRAINER_ROW_LENGTH),
+            sequence_parallel_size=sequence_parallel_size,
+        )
+        trainer.train()
+        if rank == 0:
+            torch.save({name: p.detach().clone() for name, p in trainer.model.named_parameters()}, path)
+    finally:
+        unconfigure_packing()
+        if dist.is_initialized():
+            dist.destroy_process_group()

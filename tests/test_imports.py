@@ -30,7 +30,7 @@ LAYERS = {
     "hook": {"core", "errors", "_compat"},
     "batches": {"core", "errors", "_compat", "hook"},
     "parallel": {"core", "errors", "_compat", "hook"},
-    "trainers": {"core", "errors", "_compat", "hook", "batches", "data"},
+    "trainers": {"core", "errors", "_compat", "hook", "batches", "data", "parallel"},
     "demo": {"core", "errors"},
     "train": {"cli"},
 }

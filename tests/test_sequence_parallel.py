@@ -10,7 +10,10 @@ rank's piece alone (no global boundaries) and must fail the same comparison.
 """
 
 import itertools
+import os
+import re
 import socket
+import subprocess
 
 import pytest
 import sequence_parallel_worker as worker
@@ -138,3 +141,54 @@ def test_labels_shifted_over_the_whole_row():
     assert [piece["labels"][0].tolist() for piece in pieces] == [[ids[1], ids[2], -100], [ids[4], ids[5], -100]]
     assert [piece["position_ids"][0].tolist() for piece in pieces] == [[0, 1, 2], [0, 1, 2]]
     assert all(int(piece["num_items_in_batch"]) == 4 for piece in pieces)
+
+
+@pytest.mark.parametrize(("world", "sequence_parallel_size"), [(2, 2), (4, 2)], ids=["2ranks", "2x2ranks"])
+def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_size):
+    """PackedSFTTrainer with `sequence_parallel_size` under DDP (one group, and two groups data-parallel): one SGD
+    step of learning rate 1 moves each parameter by the gradient of the mean token loss over the rows the groups
+    read (rows 0-1, and 0-3), each document alone."""
+    path = tmp_path / "parameters.pt"
+    mp.start_processes(worker.train_one_step, args=(world, _free_port(), sequence_parallel_size, str(path)),
+                       nprocs=world, join=True, start_method="fork")
+    trained = torch.load(path)
+    rows = worker.packed_dataset().select(range(2 * world // sequence_parallel_size))
+    model = tiny_model("llama", "sdpa").train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses, targets = 0.0, 0
+    for row in rows:
+        start = 0
+        for length in row["seq_lengths"]:
+            ids = torch.tensor(row["input_ids"][start : start + length])[None]
+            logits = model(input_ids=ids).logits
+            losses = losses + torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+            targets += length - 1
+            start += length
+    (losses / targets).backward()
+    difference = max((trained[name] - (before[name] - p.grad)).abs().max().item()
+                     for name, p in model.named_parameters())
+    assert difference <= 1e-5, difference
+
+
+@pytest.mark.slow
+def test_recipe_trains_under_accelerate_launch(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = ["accelerate", "launch", "--config_file", os.path.join(root, "recipes", "accelerate", "cpu-ddp.yaml"),
+               "-m", "llm_packing.train", "--config", os.path.join(root, "recipes", "tiny-cpu-sp2.yaml"),
+               "--max_samples", "8", "--max_steps", "4", "--logging_steps", "1", "--output_dir", str(tmp_path / "out")]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert len(re.findall(r"\[rank 0/2\] isolation verified across 2 ranks", output)) == 1, output[-4000:]
+    losses = [float(loss) for loss in re.findall(r"'loss': '([\d.]+)'", output)]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert "on [4, 4] batches (per rank)" in output
+
+
+def test_other_trainers_refuse_sequence_parallelism(tmp_path):
+    from llm_packing.cli.train import main
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny-cpu-dpo.yaml")
+    with pytest.raises(UnsupportedSetupError, match="`sequence_parallel_size: 2` is supported by text SFT"):
+        main(["--config", recipe, "--sequence_parallel_size", "2", "--output_dir", str(tmp_path)])

@@ -48,6 +48,11 @@ class PackingArguments:
         verify_packing (`bool`, *optional*, defaults to `True`):
             Before training, run a tiny packed batch and its documents alone through the model and stop with
             `ContaminationError` if their logits differ (four forwards of at most 8 tokens).
+        sequence_parallel_size (`int`, *optional*, defaults to `1`):
+            Cut each packed row across this many processes (Ulysses sequence parallelism, `llm_packing.parallel`):
+            each holds a contiguous piece of the row, and attention exchanges pieces for heads so that every
+            document attends over the whole row exactly as alone. It must divide the number of processes and
+            `num_attention_heads`; consecutive processes form a group, groups train data-parallel. sdpa only.
         packing_engine (`str`, *optional*, defaults to `"local"`):
             Where the documents are packed: `"local"` (`pack_dataset` in this process, `dataset_num_proc` processes
             writing) or `"ray"` (`pack_dataset_on_ray`: the gather as Ray tasks on a cluster; needs
@@ -108,6 +113,11 @@ class PackingArguments:
             "and stop with ContaminationError if not."
         },
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Cut each packed row across this many processes (Ulysses sequence parallelism); must "
+                  "divide the process count and num_attention_heads. 1: off."},
+    )
 
     packing_engine: str = field(
         default="local",
@@ -148,6 +158,14 @@ class PackingArguments:
                 raise PackingTypeError(f"`{name}` must be an integer or null, got {value!r}.")
         check_integer("max_docs_per_bin", self.max_docs_per_bin, optional=True, meaning="no cap",
                       fix="Write `max_docs_per_bin: null` in the recipe for no cap.")
+        check_integer("sequence_parallel_size", self.sequence_parallel_size, meaning="processes a row is cut across",
+                      fix="Write `sequence_parallel_size: 1` in the recipe for no sequence parallelism.")
+        if self.sequence_parallel_size > 1 and (self.padding_free or not self.block_diag_attn):
+            raise PackingValueError(
+                f"`sequence_parallel_size: {self.sequence_parallel_size}` cuts rows with an indexed attention mask, "
+                "but `padding_free: true` or `block_diag_attn: false` leaves none. Set `block_diag_attn: true` and "
+                "`padding_free: false`, or `sequence_parallel_size: 1`."
+            )
         check_integer("packing_seed", self.packing_seed, minimum=0, optional=True,
                       fix="Write `packing_seed: null` in the recipe to pack deterministically.")
         if self.padding_free and not self.block_diag_attn:

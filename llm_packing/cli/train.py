@@ -292,11 +292,24 @@ def _check_supported(script_args, training_args, model_args) -> None:
 def main(argv: list[str] | None = None):
     """Parse the recipe and flags in `argv` (default `sys.argv[1:]`) and train; returns the `TrainOutput`."""
     arguments = parse_args(argv)
+    _refuse_sequence_parallel_elsewhere(arguments[0], arguments[3])
     if arguments[0].trainer != "sft":
         from .train_preference import train_preference
 
         return train_preference(*arguments)
     return train(*arguments)
+
+
+def _refuse_sequence_parallel_elsewhere(script_args, packing_args) -> None:
+    """Only the text SFT trainer cuts rows across processes; elsewhere the key would be ignored."""
+    size = packing_args.sequence_parallel_size
+    other = (f"`trainer: {script_args.trainer}`" if script_args.trainer != "sft"
+             else "image-text training (`processor_name_or_path`)" if script_args.processor_name_or_path else None)
+    if size > 1 and other:
+        raise UnsupportedSetupError(
+            f"`sequence_parallel_size: {size}` is supported by text SFT (`trainer: sft`) only, not {other}. Set "
+            "`sequence_parallel_size: 1`."
+        )
 
 
 def pack_documents(documents, training_args, packing_args, max_docs_per_bin):
@@ -357,7 +370,8 @@ def train(script_args, training_args, model_args, packing_args):
         counter = _BatchCounter()
         trainer = PackedSFTTrainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
                                    processing_class=tokenizer, peft_config=get_peft_config(model_args),
-                                   callbacks=[counter], verify_packing=packing_args.verify_packing)
+                                   callbacks=[counter], verify_packing=packing_args.verify_packing,
+                                   sequence_parallel_size=packing_args.sequence_parallel_size)
         _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "before training")
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         _log_sample_reply(script_args.sample_prompt, trainer.model, tokenizer, "after training")

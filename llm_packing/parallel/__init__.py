@@ -8,7 +8,8 @@ document still attending exactly as if it were alone.
 - `ulysses`: the attention of a shard, sequence-sharded to head-sharded and back around the hook's per-document sdpa
   route over the whole row;
 - `configure`: [`configure_sequence_parallel`], what is proven or refused under sequence parallelism, the rank groups,
-  and the sum of gradients over a group.
+  and the sum of gradients over a group;
+- `verify`: the behavioural check, a tiny packed batch cut across the group against each document alone.
 
 May import: `llm_packing.hook`, `llm_packing.core`, `llm_packing.errors`, torch and transformers; never `data`,
 `batches`, `trainers`, `demo` or `cli`.

@@ -23,6 +23,7 @@ from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
 from ..hook.verify import configure_and_verify
+from . import sequence_parallel
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 from .sft_data import check_format, column_names, is_packed, pack_documents
 
@@ -58,8 +59,8 @@ class PackedSFTTrainer(SFTTrainer):
     `SFTConfig` (TRL would re-pack or flatten the rows with its own collator), `assistant_only_loss=True` with rows
     packed already (it needs the conversations), `max_length=None` with a dataset to pack, a `max_length` that differs
     between `pack_dataset`, the collator and the `SFTConfig`, packed rows longer than that `max_length`,
-    `skip_prepare_dataset` with a dataset that is not packed, context or sequence parallelism, and a model the hook
-    cannot isolate.
+    `skip_prepare_dataset` with a dataset that is not packed, accelerate's context or sequence parallelism (`cp_size`,
+    `sp_size`: they drop the per-document mask; use `sequence_parallel_size`), and a model the hook cannot isolate.
 
     Image-text conversations in TRL's vision format (`messages` + `images`, the model's processor as
     `processing_class`) are packed here, at `SFTConfig.max_length`, by their token counts with images expanded, and
@@ -78,6 +79,11 @@ class PackedSFTTrainer(SFTTrainer):
         verify_packing (`bool`, *optional*, defaults to `True`):
             Run [`~llm_packing.verify_packing`] on the model after configuring the hook (four forwards of at most 16
             tokens).
+        sequence_parallel_size (`int`, *optional*, defaults to `1`):
+            Cut each packed row across this many processes (Ulysses, [`~llm_packing.configure_sequence_parallel`]):
+            consecutive ranks form a group that reads the same batches, each rank training its piece of every row;
+            groups train data-parallel. The model is checked on a packed batch cut across the group (unless
+            `verify_packing=False`). Needs a map-style `train_dataset`; evaluation runs whole rows on every rank.
         model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs:
             As for [`~trl.SFTTrainer`].
 
@@ -118,10 +124,12 @@ class PackedSFTTrainer(SFTTrainer):
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, *, overflow: str | None = None, max_docs_per_bin: int | None = None,
-                 verify_packing: bool = True, **kwargs):
+                 verify_packing: bool = True, sequence_parallel_size: int = 1, **kwargs):
         if overflow is not None:
             check_overflow_policy(overflow)
         check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="documents per packed row")
+        check_integer("sequence_parallel_size", sequence_parallel_size, meaning="ranks a packed row is cut across")
+        self._sequence_parallel = (sequence_parallel_size, None)  # (N, this rank's group once configured)
         args = _sft_config(args, model)
         image_text = prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset,
                                         overflow=overflow or "error")
@@ -147,7 +155,9 @@ class PackedSFTTrainer(SFTTrainer):
             if image_text is not None:  # TRL would prune a vision dataset to its raw columns
                 self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
-            if _several_documents_per_row([self.train_dataset, *_eval_datasets(self.eval_dataset).values()]):
+            if sequence_parallel_size > 1:
+                self._configure_sequence_parallel(verify_packing, image_text is not None)
+            elif _several_documents_per_row([self.train_dataset, *_eval_datasets(self.eval_dataset).values()]):
                 self._configure_model(verify_packing, processor=None if image_text is None else processing_class)
         except BaseException:
             # Trainer created the output folder; a refused setup leaves nothing behind.
@@ -176,6 +186,34 @@ class PackedSFTTrainer(SFTTrainer):
         if stats is not None:
             self.packing_stats[dataset_name] = stats
         return packed
+
+    def _configure_sequence_parallel(self, verify: bool, image_text: bool) -> None:
+        size = self._sequence_parallel[0]
+        if image_text:
+            raise UnsupportedSetupError(
+                f"`sequence_parallel_size`={size} with image-text conversations: image-text rows are not proven under "
+                "sequence parallelism. Set `sequence_parallel_size: 1`."
+            )
+        where = f"[rank {self.args.process_index}/{self.args.world_size}] "
+        self._sequence_parallel = (size, sequence_parallel.setup(self, size, verify, where))
+
+    def _get_train_sampler(self, train_dataset=None):
+        size = self._sequence_parallel[0]
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if size == 1:
+            return super()._get_train_sampler(train_dataset)
+        return sequence_parallel.RepeatedBatches(
+            len(dataset), self.args.train_batch_size, size, seed=self.args.data_seed or self.args.seed,
+            shuffle=self.args.train_sampling_strategy != "sequential")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; under sequence parallelism, on this rank's piece of the batch (training only: evaluation runs
+        whole rows on every rank)."""
+        group = self._sequence_parallel[1]
+        if group is not None and model.training:
+            inputs, num_items_in_batch = sequence_parallel.piece_of(inputs, group, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
 
     def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
