@@ -14,9 +14,11 @@ gradient of the global loss. Rank 0 writes the largest differences of every case
 import copy
 import json
 import os
+import socket
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from tiny_models import tiny_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_WRAPPED_MODULE,
@@ -30,29 +32,35 @@ from llm_packing import DataCollatorWithPacking, configure_packing, unconfigure_
 
 WORLD_SIZE = 2
 LEARNING_RATE = 0.5
+TOLERANCE = 1e-6
+# A leak must move some gradient by far more than float32 noise to count as caught.
+LEAK = 1e-4
 # Packed rows of up to 20 tokens, split two a rank: 1-3 documents a row, one-token documents, documents longer than
 # the 4-token sliding window and the 4-token SSM chunks, a document filling its row, and trailing padding.
 ROW_DOCUMENTS = ((7, 1, 9), (20,), (5, 6), (1, 13, 4))
 ROW_LENGTH = 20
 VOCAB = 128
+# None; transformers' own (`activation_checkpointing: true` in a recipe); torch's checkpoint wrapper around each
+# decoder layer (accelerate's `fsdp_activation_checkpointing: true`).
+CHECKPOINTING = ("none", "transformers", "torch")
 
 
-def cases(model_types):
-    """`(model_type, reshard_after_forward, checkpointing, indexed)` of every case, run in this order: the negative
-    controls (`indexed=False`) last, as they undo the hook."""
-    positives = [
-        (model_type, reshard, checkpointing, True)
-        for model_type in model_types
-        for reshard in (True, False)
-        for checkpointing in ("none", "transformers", "torch")
-    ]
-    return positives + [(model_type, True, "none", False) for model_type in model_types]
+def cases(engine: str, model_types) -> list[tuple]:
+    """`(engine, model_type, reshard_after_forward, checkpointing, indexed)` of every case, run in this order: the
+    negative controls (`indexed=False`) last, as they undo the hook. ZeRO-3 always repartitions after use: its
+    cases have `reshard_after_forward=True`, and transformers' checkpointing only (no FSDP wrapper there)."""
+    if engine == "fsdp2":
+        variants = [(reshard, checkpointing) for reshard in (True, False) for checkpointing in CHECKPOINTING]
+    else:
+        variants = [(True, checkpointing) for checkpointing in CHECKPOINTING[:2]]
+    positives = [(engine, model_type, *variant, True) for model_type in model_types for variant in variants]
+    return positives + [(engine, model_type, True, "none", False) for model_type in model_types]
 
 
 def case_name(case) -> str:
-    model_type, reshard, checkpointing, indexed = case
-    mask = "indexed" if indexed else "0/1 mask"
-    return f"{model_type}-reshard_{reshard}-checkpointing_{checkpointing}-{mask}"
+    engine, model_type, reshard, checkpointing, indexed = case
+    parts = [model_type, f"reshard_{reshard}"] if engine == "fsdp2" else [model_type]
+    return "-".join([*parts, f"checkpointing_{checkpointing}", "indexed" if indexed else "0/1 mask"])
 
 
 def packed_rows(seed: int = 0) -> list[dict]:
@@ -79,12 +87,41 @@ def trained_tokens(batch) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def worker(rank: int, port: int, model_types, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_ranks(engine: str, model_types, folder) -> dict:
+    """Largest differences of every case of `engine`, per reference: one spawn of `WORLD_SIZE` gloo ranks on
+    127.0.0.1 runs them all."""
+    path = os.path.join(folder, f"{engine}.json")
+    with socket.socket() as probe:  # a free port; released for the ranks to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(worker, args=(port, engine, model_types, path), nprocs=WORLD_SIZE, start_method="spawn")
+    with open(path) as file:
+        return json.load(file)
+
+
+def assert_exact(measured: dict) -> None:
+    """The sharded step equals one process on all rows and every document alone, gradients and weights."""
+    for reference in ("single", "documents"):
+        assert measured[reference]["gradients"] <= TOLERANCE, (reference, measured)
+        assert measured[reference]["weights"] <= TOLERANCE, (reference, measured)
+    assert measured["documents"]["largest_gradient"] > 1e-2  # the comparison has something to compare
+
+
+def assert_leak_caught(measured: dict) -> None:
+    """The same comparison against every document alone fails, by far more than float32 noise."""
+    assert measured["documents"]["gradients"] > LEAK, measured
+    assert measured["documents"]["weights"] > LEAK * LEARNING_RATE, measured
+
+
+def worker(rank: int, port: int, engine: str, model_types, result_path: str) -> None:
+    """One rank: every case of `engine` (`"fsdp2"` or `"zero3"`), then rank 0 writes the differences to
+    `result_path`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD_SIZE), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        results = {case_name(case): run_case(rank, *case) for case in cases(model_types)}
+        results = {case_name(case): run_case(rank, *case) for case in cases(engine, model_types)}
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -92,7 +129,7 @@ def worker(rank: int, port: int, model_types, result_path: str) -> None:
             json.dump(results, file)
 
 
-def run_case(rank, model_type, reshard, checkpointing, indexed) -> dict:
+def run_case(rank, engine, model_type, reshard, checkpointing, indexed) -> dict:
     rows = packed_rows()
     model = tiny_model(model_type).train()  # seeded: the same weights on every rank
     if indexed:
@@ -103,9 +140,23 @@ def run_case(rank, model_type, reshard, checkpointing, indexed) -> dict:
     documents = _reference_step(copy.deepcopy(model), rows, per_document=True)
 
     global_tokens = trained_tokens(collate(rows, indexed=True))
+    step = _fsdp2_step if engine == "fsdp2" else _zero3_step
+    gradients, weights = step(model, collate(rows[rank * 2 : rank * 2 + 2], indexed), global_tokens, reshard,
+                              checkpointing)
+    return {
+        reference: {
+            "gradients": _max_difference(gradients, expected["gradients"]),
+            "weights": _max_difference(weights, expected["weights"]),
+            "largest_gradient": max(g.abs().max().item() for g in expected["gradients"].values()),
+        }
+        for reference, expected in (("single", single), ("documents", documents))
+    }
+
+
+def _fsdp2_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[dict, dict]:
+    """Full gradients and weights after one SGD step of `model` sharded by FSDP2 (`_shard`)."""
     _shard(model, reshard, checkpointing)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    batch = collate(rows[rank * 2 : rank * 2 + 2], indexed)
     calls = _count_layer_calls(model)
     loss = model(**batch, num_items_in_batch=global_tokens).loss * WORLD_SIZE
     loss.backward()
@@ -116,14 +167,41 @@ def run_case(rank, model_type, reshard, checkpointing, indexed) -> dict:
     gradients = {_unwrapped(name): p.grad.full_tensor() for name, p in model.named_parameters()}
     optimizer.step()
     weights = {_unwrapped(name): p.full_tensor().detach() for name, p in model.named_parameters()}
-    return {
-        reference: {
-            "gradients": _max_difference(gradients, expected["gradients"]),
-            "weights": _max_difference(weights, expected["weights"]),
-            "largest_gradient": max(g.abs().max().item() for g in expected["gradients"].values()),
-        }
-        for reference, expected in (("single", single), ("documents", documents))
+    return gradients, weights
+
+
+def _zero3_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[dict, dict]:
+    """Full gradients and weights after one SGD step of `model` under DeepSpeed ZeRO-3 on its CPU accelerator."""
+    import deepspeed  # only installed where the ZeRO-3 tests run
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce on first use (85 s here, a C++ toolchain):
+    # a CPU-only fast path that GPU runs never take. Without it, its collectives are torch.distributed's on gloo.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    if checkpointing == "transformers":
+        model.activation_checkpointing_enable()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        # Every parameter partitioned: by default those under 100k elements (all of a tiny model's) stay whole.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,  # plain SGD, so that the step is the reference's
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 unless told; the reference does not clip
     }
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    calls = _count_layer_calls(engine.module)
+    loss = engine(**batch, num_items_in_batch=global_tokens).loss * WORLD_SIZE
+    engine.backward(loss)
+    # Partitioned for real: outside a forward each rank holds only its part of each parameter.
+    parameters = list(engine.module.named_parameters())
+    assert all(p.numel() == 0 for _, p in parameters)
+    assert sum(p.ds_tensor.numel() for _, p in parameters) < sum(p.ds_numel for _, p in parameters)
+    assert calls == [1 if checkpointing == "none" else 2] * len(calls), (checkpointing, calls)
+    gradients = {name: safe_get_full_grad(p) for name, p in parameters}
+    engine.step()
+    weights = {name: safe_get_full_fp32_param(p) for name, p in parameters}
+    return gradients, weights
 
 
 def _shard(model, reshard: bool, checkpointing: str) -> None:
