@@ -115,7 +115,8 @@ def packed_dataset():
     return pack_dataset(Dataset.from_dict({"input_ids": documents}), TRAINER_ROW_LENGTH)
 
 
-def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int, path: str) -> None:
+def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int, path: str,
+                   checkpointing: bool = False) -> None:
     import os
     import tempfile
 
@@ -135,8 +136,8 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
-        bf16=False, activation_checkpointing=False, report_to="none", save_strategy="no", logging_strategy="no",
-        max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
+        bf16=False, activation_checkpointing=checkpointing, report_to="none", save_strategy="no",
+        logging_strategy="no", max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
     )
     try:
         trainer = PackedSFTTrainer(

@@ -19,6 +19,7 @@ import pytest
 import sequence_parallel_worker as worker
 import torch
 import torch.multiprocessing as mp
+from random_layouts import draw_layout
 from tiny_models import tiny_model
 
 from llm_packing import UnsupportedSetupError
@@ -37,6 +38,13 @@ def _cases():
         {"name": f"{model}-{dtype}-{layout}", "model_type": MODELS[model][0], "kv_heads": MODELS[model][1],
          "dtype": dtype, "layout": LAYOUTS[layout]}
         for model, dtype, layout in itertools.product(MODELS, TOLERANCE, LAYOUTS)
+    ]
+    # Drawn layouts (tests/random_layouts.py, reproduced by `draw_layout(seed)`): long, filled, tiny and one-token
+    # rows, and (seed 2) rows of one document each.
+    cases += [
+        {"name": f"{model}-float64-draw_layout({seed})", "model_type": MODELS[model][0], "kv_heads": MODELS[model][1],
+         "dtype": "float64", "layout": draw_layout(seed).rows}
+        for model, seed in itertools.product(("llama_kv1", "qwen2_sliding"), range(3))
     ]
     cases.append({"name": "local-pieces", "model_type": "llama", "kv_heads": 2, "dtype": "float64",
                   "layout": LAYOUTS["straddling"], "local": True})
@@ -143,13 +151,17 @@ def test_labels_shifted_over_the_whole_row():
     assert all(int(piece["num_items_in_batch"]) == 4 for piece in pieces)
 
 
-@pytest.mark.parametrize(("world", "sequence_parallel_size"), [(2, 2), (4, 2)], ids=["2ranks", "2x2ranks"])
-def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_size):
-    """PackedSFTTrainer with `sequence_parallel_size` under DDP (one group, and two groups data-parallel): one SGD
+@pytest.mark.parametrize(("world", "sequence_parallel_size", "checkpointing"), [(2, 2, False), (4, 2, False),
+                                                                             (2, 2, True)],
+                         ids=["2ranks", "2x2ranks", "2ranks-activation_checkpointing"])
+def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_size, checkpointing):
+    """PackedSFTTrainer with `sequence_parallel_size` under DDP (one group, and two groups data-parallel; with
+    SFTConfig's default activation checkpointing, whose recompute repeats the all-to-alls in the backward): one SGD
     step of learning rate 1 moves each parameter by the gradient of the mean token loss over the rows the groups
     read (rows 0-1, and 0-3), each document alone."""
     path = tmp_path / "parameters.pt"
-    mp.start_processes(worker.train_one_step, args=(world, _free_port(), sequence_parallel_size, str(path)),
+    mp.start_processes(worker.train_one_step,
+                       args=(world, _free_port(), sequence_parallel_size, str(path), checkpointing),
                        nprocs=world, join=True, start_method="fork")
     trained = torch.load(path)
     rows = worker.packed_dataset().select(range(2 * world // sequence_parallel_size))
