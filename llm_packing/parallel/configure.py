@@ -17,12 +17,9 @@ from ..hook import registry, varlen
 from ..hook.configure import configure_packing
 from ..hook.mixers import MIXERS
 from ..hook.support.architectures import non_attention_layer_types
+from ..hook.support.sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES
 from .ulysses import check_heads, sharded_attention
 
-
-# The types whose sequence-parallel parity `tests/test_sequence_parallel.py` proves (qwen2's tiny config slides a
-# window of 4 tokens on one layer).
-SEQUENCE_PARALLEL_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 _groups: dict[tuple[int, int], object] = {}  # (world size, group size) -> this rank's group
 

@@ -1,7 +1,8 @@
 """Which architectures the hook isolates, as data: `table` (the hand-kept proofs and refusals), `model_types` (the
 causal LM types of the installed transformers), `releases` (what an older admitted transformers is too old for),
 `architectures` (these combined for the installed release: `supported_model_types`, `require_supported`, the sdpa
-route per type) and `matrix` (docs/support_matrix.md, rendered).
+route per type), `sequence_parallel` (the types proven under sequence parallelism) and `matrix`
+(docs/support_matrix.md, rendered).
 
 May import: `llm_packing.errors`, `llm_packing._compat`, and the hook's own tables (`hook.mixers.MIXERS`).
 """

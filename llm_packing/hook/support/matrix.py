@@ -28,6 +28,7 @@ from .image_text import (
     supported_image_text_model_types,
 )
 from .releases import backend_too_old
+from .sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES, SEQUENCE_PARALLEL_PROOF
 
 
 def _flash_substitute(model_type: str, backend: str) -> str | None:
@@ -104,7 +105,19 @@ def support_matrix_markdown() -> str:
         "| layer kind | reason |", "|---|---|",
     ]
     lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
-    return "\n".join(lines + image_text_lines()) + "\n"
+    return "\n".join(lines + image_text_lines() + sequence_parallel_lines()) + "\n"
+
+
+def sequence_parallel_lines() -> list[str]:
+    """The types proven under sequence parallelism (`sequence_parallel_size`, `llm_packing.parallel`)."""
+    return [
+        "", f"## Sequence parallelism ({len(SEQUENCE_PARALLEL_MODEL_TYPES)})", "",
+        "`sequence_parallel_size: N` cuts each packed row across N processes (Ulysses; docs/scaling.md). Proven by "
+        "`tests/test_sequence_parallel.py` for the types below; every other type is refused under it (hybrids and "
+        "image-text models by design).", "",
+        "| model_type | proof |", "|---|---|",
+        *(f"| {model_type} | {SEQUENCE_PARALLEL_PROOF} |" for model_type in SEQUENCE_PARALLEL_MODEL_TYPES),
+    ]
 
 
 def _image_text_cell(model_type: str, backend: str) -> str:
