@@ -204,3 +204,16 @@ def test_other_trainers_refuse_sequence_parallelism(tmp_path):
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny-cpu-dpo.yaml")
     with pytest.raises(UnsupportedSetupError, match="`sequence_parallel_size: 2` is supported by text SFT"):
         main(["--config", recipe, "--sequence_parallel_size", "2", "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_plain_loop_example_runs(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["python", os.path.join(root, "examples", "sequence_parallel_loop.py"), "--steps", "3"],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "isolation verified across 2 processes" in output
+    losses = [float(loss) for loss in re.findall(r"step \d+: loss ([\d.]+)", output)]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses

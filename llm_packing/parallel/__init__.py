@@ -23,6 +23,7 @@ from .configure import (
     sum_gradients,
 )
 from .shards import shard_packed_batch
+from .verify import verify_sequence_parallel
 
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "sequence_parallel_group",
     "shard_packed_batch",
     "sum_gradients",
+    "verify_sequence_parallel",
 ]

@@ -16,8 +16,12 @@ from torch.utils.data import Sampler
 from transformers.trainer_utils import has_length
 
 from ..errors import ContaminationError, UnsupportedSetupError
-from ..parallel import configure_sequence_parallel, sequence_parallel_group, shard_packed_batch
-from ..parallel.verify import verify_sequence_parallel
+from ..parallel import (
+    configure_sequence_parallel,
+    sequence_parallel_group,
+    shard_packed_batch,
+    verify_sequence_parallel,
+)
 
 
 class RepeatedBatches(Sampler):
