@@ -9,7 +9,7 @@ trades the output back. Attention is per head, so the head-sharded call is exact
 import torch.distributed as dist
 
 from ..errors import UnsupportedSetupError
-from ..hook import varlen
+from ..hook import registry, varlen
 from .collectives import all_to_all
 
 
@@ -36,7 +36,8 @@ def sharded_attention(group):
         # (batch, length, heads / N, dim) -> (batch, length / N, heads, dim), the layout attention functions return
         return all_to_all(output, group, scatter_dim=1, gather_dim=2)
 
-    return ulysses_attention
+    # Like every replacement of the hook, eager inside a compiled model: its layout and collectives are per forward.
+    return registry.outside_graphs(ulysses_attention)
 
 
 def check_heads(heads: int, world: int, name: str = "num_attention_heads") -> None:
