@@ -70,7 +70,7 @@ def setup(trainer, sequence_parallel_size: int, verify: bool, where: str) -> obj
         raise UnsupportedSetupError(
             f"`sequence_parallel_size` ({sequence_parallel_size}) must divide the number of processes "
             f"({args.world_size}). Launch a multiple of it: `accelerate launch --num_processes "
-            f"{sequence_parallel_size} ...`."
+            f"{sequence_parallel_size} ...` (on CPU: `--config_file recipes/accelerate/cpu-ddp.yaml`)."
         )
     if args.train_sampling_strategy not in ("random", "sequential"):
         raise UnsupportedSetupError(
