@@ -1,14 +1,16 @@
-"""One sharded training step on CPU ranks, and the single-process step it must equal (`tests/test_fsdp.py`).
+"""One sharded training step on CPU ranks, and the single-process steps it must equal (`tests/test_fsdp.py`,
+`tests/test_zero3.py`).
 
-Each rank of a gloo group builds the same tiny model, shards it with torch's FSDP2 (`fully_shard` on every decoder
-layer, then the root), trains its half of the packed rows for one step and compares, parameter by parameter, the
-gradient and the weights after the step with references it computes itself without any process group:
+Each rank of a gloo group builds the same tiny model, shards it (torch's FSDP2: `fully_shard` on every decoder layer,
+then the root; or DeepSpeed ZeRO-3 on its CPU accelerator), trains its half of the packed rows for one step and
+compares, parameter by parameter, the gradient and the weights after the step with references it computes itself
+without any process group:
 - `single`: one unsharded process on all rows at once, packed the same way;
 - `documents`: every document alone (its own row, positions from 0), no packing at all.
 
 Each rank's loss is summed over the GLOBAL count of trained tokens and multiplied by the number of ranks, as
-`transformers.Trainer` does with `average_tokens_across_devices` (its default): FSDP's mean over ranks then gives the
-gradient of the global loss. Rank 0 writes the largest differences of every case to a JSON file.
+`transformers.Trainer` does with `average_tokens_across_devices` (its default): the engines' mean over ranks then
+gives the gradient of the global loss. Rank 0 writes the largest differences of every case to a JSON file.
 """
 
 import copy
@@ -35,10 +37,9 @@ LEARNING_RATE = 0.5
 TOLERANCE = 1e-6
 # A leak must move some gradient by far more than float32 noise to count as caught.
 LEAK = 1e-4
-# Packed rows of up to 20 tokens, split two a rank: 1-3 documents a row, one-token documents, documents longer than
-# the 4-token sliding window and the 4-token SSM chunks, a document filling its row, and trailing padding.
+# Packed rows of up to 20 tokens, split two a rank and padded to the longer of the two: 1-3 documents a row,
+# one-token documents, documents longer than the 4-token sliding window and SSM chunks, a document filling its row.
 ROW_DOCUMENTS = ((7, 1, 9), (20,), (5, 6), (1, 13, 4))
-ROW_LENGTH = 20
 VOCAB = 128
 # None; transformers' own (`activation_checkpointing: true` in a recipe); torch's checkpoint wrapper around each
 # decoder layer (accelerate's `fsdp_activation_checkpointing: true`).

@@ -16,7 +16,7 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3_next")
 CASES = cases("fsdp2", MODEL_TYPES)
 
 # One xdist worker runs the module, so its 2 ranks start once (about 30-50 s on 2 busy cores, all cases together).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]
 
 
 @pytest.fixture(scope="module")
