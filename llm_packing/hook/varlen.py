@@ -300,11 +300,6 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     return packed_attention_mask(attention_mask)
 
 
-# Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
-# piece of each row's queries and the layout of the whole row; None while it is not configured.
-sharded_attention = None
-
-
 def auto_takes_dense(device_type: str, length: int) -> bool:
     """
     Whether `attention_route="auto"` takes the dense route for rows of `length` tokens on `device_type`: on CUDA up
@@ -320,6 +315,11 @@ def auto_takes_dense(device_type: str, length: int) -> bool:
     ```
     """
     return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO
+
+
+# Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
+# piece of each row's queries and the layout of the whole row; None while it is not configured.
+sharded_attention = None
 
 
 def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
