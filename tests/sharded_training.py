@@ -17,10 +17,13 @@ import copy
 import json
 import os
 import socket
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 from tiny_models import tiny_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_WRAPPED_MODULE,
@@ -47,20 +50,25 @@ CHECKPOINTING = ("none", "transformers", "torch")
 
 
 def cases(engine: str, model_types) -> list[tuple]:
-    """`(engine, model_type, reshard_after_forward, checkpointing, indexed)` of every case, run in this order: the
-    negative controls (`indexed=False`) last, as they undo the hook. ZeRO-3 always repartitions after use: its
-    cases have `reshard_after_forward=True`, and transformers' checkpointing only (no FSDP wrapper there)."""
+    """`(sharding, model_type, reshard_after_forward, checkpointing, indexed)` of every case of `engine` (`"fsdp2"`
+    or `"zero3"`), run in this order: the negative controls (`indexed=False`) last, as they undo the hook.
+
+    FSDP2 is applied two ways: `"fsdp2"`, torch's `fully_shard` called here, resharding after the forward or not;
+    `"fsdp2-accelerate"`, accelerate's own preparation as `recipes/accelerate/fsdp.yaml` configures it. ZeRO-3 always
+    repartitions after use, and has transformers' checkpointing only (torch's wrapper is FSDP's)."""
     if engine == "fsdp2":
-        variants = [(reshard, checkpointing) for reshard in (True, False) for checkpointing in CHECKPOINTING]
+        variants = [("fsdp2", reshard, checkpointing) for reshard in (True, False) for checkpointing in CHECKPOINTING]
+        variants += [("fsdp2-accelerate", True, checkpointing) for checkpointing in CHECKPOINTING]
     else:
-        variants = [(True, checkpointing) for checkpointing in CHECKPOINTING[:2]]
-    positives = [(engine, model_type, *variant, True) for model_type in model_types for variant in variants]
-    return positives + [(engine, model_type, True, "none", False) for model_type in model_types]
+        variants = [("zero3", True, checkpointing) for checkpointing in CHECKPOINTING[:2]]
+    positives = [(sharding, model_type, reshard, checkpointing, True)
+                 for model_type in model_types for sharding, reshard, checkpointing in variants]
+    return positives + [(variants[0][0], model_type, True, "none", False) for model_type in model_types]
 
 
 def case_name(case) -> str:
-    engine, model_type, reshard, checkpointing, indexed = case
-    parts = [model_type, f"reshard_{reshard}"] if engine == "fsdp2" else [model_type]
+    sharding, model_type, reshard, checkpointing, indexed = case
+    parts = [sharding, model_type] + ([f"reshard_{reshard}"] if sharding == "fsdp2" else [])
     return "-".join([*parts, f"checkpointing_{checkpointing}", "indexed" if indexed else "0/1 mask"])
 
 
@@ -130,7 +138,7 @@ def worker(rank: int, port: int, engine: str, model_types, result_path: str) -> 
             json.dump(results, file)
 
 
-def run_case(rank, engine, model_type, reshard, checkpointing, indexed) -> dict:
+def run_case(rank, sharding, model_type, reshard, checkpointing, indexed) -> dict:
     rows = packed_rows()
     model = tiny_model(model_type).train()  # seeded: the same weights on every rank
     if indexed:
@@ -141,9 +149,11 @@ def run_case(rank, engine, model_type, reshard, checkpointing, indexed) -> dict:
     documents = _reference_step(copy.deepcopy(model), rows, per_document=True)
 
     global_tokens = trained_tokens(collate(rows, indexed=True))
-    step = _fsdp2_step if engine == "fsdp2" else _zero3_step
-    gradients, weights = step(model, collate(rows[rank * 2 : rank * 2 + 2], indexed), global_tokens, reshard,
-                              checkpointing)
+    batch = collate(rows[rank * 2 : rank * 2 + 2], indexed)
+    if sharding == "zero3":
+        gradients, weights = _zero3_step(model, batch, global_tokens, checkpointing)
+    else:
+        gradients, weights = _fsdp2_step(model, batch, global_tokens, sharding, reshard, checkpointing)
     return {
         reference: {
             "gradients": _max_difference(gradients, expected["gradients"]),
@@ -154,9 +164,12 @@ def run_case(rank, engine, model_type, reshard, checkpointing, indexed) -> dict:
     }
 
 
-def _fsdp2_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[dict, dict]:
-    """Full gradients and weights after one SGD step of `model` sharded by FSDP2 (`_shard`)."""
-    _shard(model, reshard, checkpointing)
+def _fsdp2_step(model, batch, global_tokens, sharding, reshard, checkpointing) -> tuple[dict, dict]:
+    """Full gradients and weights after one SGD step of `model` sharded by FSDP2, by hand or by accelerate."""
+    if sharding == "fsdp2":
+        _shard(model, reshard, checkpointing)
+    else:
+        model = _shard_as_accelerate(model, checkpointing)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     calls = _count_layer_calls(model)
     loss = model(**batch, num_items_in_batch=global_tokens).loss * WORLD_SIZE
@@ -171,7 +184,7 @@ def _fsdp2_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[di
     return gradients, weights
 
 
-def _zero3_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[dict, dict]:
+def _zero3_step(model, batch, global_tokens, checkpointing) -> tuple[dict, dict]:
     """Full gradients and weights after one SGD step of `model` under DeepSpeed ZeRO-3 on its CPU accelerator."""
     import deepspeed  # only installed where the ZeRO-3 tests run
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -206,9 +219,8 @@ def _zero3_step(model, batch, global_tokens, reshard, checkpointing) -> tuple[di
 
 
 def _shard(model, reshard: bool, checkpointing: str) -> None:
-    """FSDP2 as accelerate's `fsdp_version: 2` applies it: each decoder layer, then the root; activation checkpointing
-    either by transformers (the recipes' `activation_checkpointing: true`) or by torch's wrapper around each decoder
-    layer (accelerate's `fsdp_activation_checkpointing: true`)."""
+    """FSDP2 by hand: each decoder layer, then the root; activation checkpointing either by transformers (the recipes'
+    `activation_checkpointing: true`) or by torch's wrapper around each decoder layer."""
     layers = model.model.layers
     if checkpointing == "transformers":
         model.activation_checkpointing_enable()
@@ -218,6 +230,27 @@ def _shard(model, reshard: bool, checkpointing: str) -> None:
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
+
+
+def _shard_as_accelerate(model, checkpointing: str):
+    """FSDP2 by accelerate's own code, as `Accelerator.prepare` runs it for `recipes/accelerate/fsdp.yaml`: decoder
+    layers wrapped by `_no_split_modules`, the embedding and the final norm and LM head in units of their own, weights
+    loaded from rank 0 (`fsdp_cpu_ram_efficient_loading`), and `fsdp_activation_checkpointing` as its checkpoint
+    wrapper ("torch"). accelerate 1.15 turns FSDP settings into FSDP on accelerators only (see docs/trainers.md), so a
+    stand-in gives these functions what they read from an `Accelerator`."""
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        cpu_ram_efficient_loading=True, state_dict_type="FULL_STATE_DICT",
+        activation_checkpointing=checkpointing == "torch",
+    )
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  device=torch.device("cpu"), is_main_process=dist.get_rank() == 0)
+    if checkpointing == "transformers":
+        model.activation_checkpointing_enable()
+    plugin.set_auto_wrap_policy(model)
+    if plugin.activation_checkpointing:
+        model = fsdp2_apply_ac(accelerator, model)
+    return fsdp2_prepare_model(accelerator, model)
 
 
 def _count_layer_calls(model) -> list[int]:

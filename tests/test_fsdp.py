@@ -1,4 +1,5 @@
-"""Sharded training with packing, proven on CPU ranks: torch's FSDP2 (`fully_shard`) on 2 gloo processes.
+"""Sharded training with packing, proven on CPU ranks: torch's FSDP2 (`fully_shard`) on 2 gloo processes, applied by
+hand and by accelerate's own FSDP2 preparation (as `recipes/accelerate/fsdp.yaml` configures it).
 
 The hook meets sharded (DTensor) parameters, per-layer all-gathers, resharding after the forward or not, and
 activation checkpointing's recompute in the backward. One step on packed rows split across the ranks must give the
