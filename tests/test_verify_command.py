@@ -58,8 +58,9 @@ def test_supported_model_is_exact(model_type, saved, tmp_path, capsys):
     assert f"({model_type}, float32, cpu, sdpa/varlen)" in out
     (route,) = report["routes"]
     assert route["status"] == "exact" and route["kernel"] == "per-document SDPA (length buckets)"
-    assert route["logits"]["difference"] <= route["logits"]["limit"] == 1e-4
-    assert route["gradients"]["difference"] <= route["gradients"]["limit"] == 1e-4
+    # Held to the tiny model's own noise, below the parity matrix's 1e-5 (tests/test_verify_leaks.py).
+    assert route["logits"]["difference"] <= route["logits"]["limit"] < 1e-5
+    assert route["gradients"]["difference"] <= route["gradients"]["limit"] == 1e-5
     assert all(window["crossed"] for window in report["layout"]["windows"].values())
     assert (report["mixers"] is not None) == (model_type == "qwen3_5_text")
 

@@ -21,7 +21,8 @@ from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route
 from ..hook.support.model_types import causal_lm_model_type
 from ..hook.varlen import torch_varlen_attn
-from ..hook.verify import Comparison, measure_packing
+from ..hook.verify import measure_packing
+from ..hook.verify_limits import Comparison
 
 
 # Every backend the hook has a route for, sdpa once per route: what `--all-backends` runs.

@@ -1,16 +1,16 @@
 """A behavioural check that packing isolates documents in a given model: patches existing is not proof.
 
-`verify_packing` runs a tiny packed batch (two rows, three documents, trailing padding) and each document alone through
-the model, and compares the logits of every real token. The limit is calibrated on the model's own floating-point
-noise in its dtype, measured by one more forward that needs no isolation at all (see `verify_packing`). Cost: five
-forwards of at most 3 x 16 tokens. Given the processor of an image-text model, it also packs a document with two images
-between two text documents (`hook.verify_images`). `measure_packing` is the same comparison on any layout of packed
-rows, and can compare the gradients of a per-document loss too (`llm-packing verify` runs it).
+`verify_packing` runs a tiny packed batch (two rows, six documents, a long one followed by short ones, trailing
+padding) and each document alone through the model, and compares the logits of every real token. The limit is
+calibrated on the model's own floating-point noise in its dtype, measured by one more forward that needs no isolation
+at all (`hook.verify_limits`). Cost: eight forwards of at most 6 x 16 tokens. Given the processor of an image-text
+model, it also packs a document with two images between two text documents (`hook.verify_images`). `measure_packing`
+is the same comparison on any layout of packed rows, and can compare the gradients of a per-document loss too
+(`llm-packing verify` runs it).
 """
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -18,56 +18,23 @@ from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
 from .image_text import causal_through_token_types
 from .verify_images import image_row_difference
+from .verify_limits import PackingMeasurement, compare
 
 
 logger = logging.getLogger(__name__)
 
 
-# Limits when the model computes each document alone and in a batch identically (float32 on tiny models, eager).
-BASE_ATOL = {torch.float32: 1e-4, torch.float64: 1e-4}
-HALF_BASE_ATOL = 5e-2
-# Packed logits may differ from the alone ones by this many times the noise floor. On SmolLM2-135M (CPU, sdpa, seeds
-# 0-7, benchmarks/verify_noise_floor.py) the configured model differs by up to 1.5 times the floor (bfloat16 seed 3),
-# while the unconfigured one differs by 12 to 56 times it in bfloat16 and by over 70 times in float16 and float32.
-# 3 keeps a 2x headroom against false alarms and still catches that leak by 3.9x or more.
-NOISE_MARGIN = 3.0
-LENGTHS = (9, 7, 11)
 COLUMNS = 16
-# `verify_packing`'s rows: [doc 1, doc 2] and [doc 3, 5 pads]. 16 columns, because compiled flex_attention on CPU
-# (torch 2.13) miscomputes some lengths such as 8 or 24 whatever the mask.
-ROWS = ((9, 7), (11,))
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """
-    Packed against alone for one quantity (logits, or gradients relative to their largest entry).
-
-    Attributes: `difference` (largest absolute difference), `limit` (largest accepted), `floor` (the model's own noise:
-    the same documents followed by unrelated tokens, no packing; `None` when the limit was given), `explained` (how
-    the limit was set, in words).
-    """
-
-    difference: float
-    limit: float
-    floor: float | None
-    explained: str
-
-    @property
-    def exact(self) -> bool:
-        return self.difference <= self.limit
-
-
-@dataclass(frozen=True)
-class PackingMeasurement:
-    """What [`measure_packing`] found: the logits' [`Comparison`], and the gradients' one when asked for."""
-
-    logits: Comparison
-    gradients: Comparison | None = None
-
-    @property
-    def exact(self) -> bool:
-        return self.logits.exact and (self.gradients is None or self.gradients.exact)
+# `verify_packing`'s rows: [9, 1, 2, 4] and [11, 3, 2 pads]. A long document followed by short ones carries the most
+# state into its neighbours' first tokens, where a leaking mixer shows most, and four of the six documents follow
+# another: on the injected leaks of `benchmarks/verify_leaks.py` the differences are 1 to 2 times those of the earlier
+# rows [9, 7], [11, 5 pads]. The noise floor, a maximum over more documents, can rise too: SmolLM2-135M unconfigured in
+# bfloat16 exceeds its limit 2.9, 3.2 and 5.4 times on seeds 0-2 (2.2, 8.6 and 5.4 times with the earlier rows). 16
+# columns, because compiled flex_attention on CPU (torch 2.13) miscomputes some lengths such as 8 or 24 whatever the
+# mask.
+ROWS = ((9, 1, 2, 4), (11, 3))
+# The text documents around the image document of `verify_packing(model, processor=...)`.
+IMAGE_ROW_TEXT_LENGTHS = (9, 7)
 
 
 def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor=None) -> float:
@@ -79,10 +46,12 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
     (logits up to 35) that noise is 8e-5 in float32, 0.08-0.23 in float16 and 0.47-2.1 in bfloat16 (seeds 0-7 of
     `benchmarks/verify_noise_floor.py`). It is measured on the spot: each document is run followed by unrelated
     tokens, plain causal attention and no packing, and compared with the document alone. The packed logits may then
-    differ from the alone ones by `max(base, NOISE_MARGIN * floor)` (`NOISE_MARGIN` is 3), the base being `1e-4` for
-    float32/float64 weights and `5e-2` for float16/bfloat16. Contamination is far above that: documents that attend
-    to their neighbour differ by 13 to 34 logits on SmolLM2-135M in every dtype, and by 0.3 to 0.6 on tiny random
-    models, whose floor is near zero.
+    differ from the alone ones by `max(base, NOISE_MARGIN * floor)` (`NOISE_MARGIN` is 3), the base being `1e-6`
+    (float32/float64) or `2**-6` (float16/bfloat16) times the largest logit alone (`hook.verify_limits`).
+    Contamination is far above that: documents that attend to their neighbour differ by 13 to 34 logits on
+    SmolLM2-135M in every dtype. Small leaks are caught too: a fraction `eps` of a document's state carried into the
+    next one is caught in float32 from `eps` = 1e-5 (attention, SmolLM2-135M) and, on tiny models, wherever the parity
+    matrix's 1e-5 catches it (`benchmarks/results/verify_leaks.md`).
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
@@ -103,7 +72,7 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
     Raises:
         `ContaminationError`: the difference exceeds the limit, i.e. documents attend across their boundaries.
 
-    Cost: five forwards: the packed batch (2 x 16 tokens), the three documents alone, and the noise floor (3 x 16);
+    Cost: eight forwards: the packed batch (2 x 16 tokens), the six documents alone, and the noise floor (6 x 16);
     with a `processor`, four more: the row with images, the image document and the two text documents alone.
     """
     logits = measure_packing(model, atol=atol, seed=seed).logits
@@ -121,9 +90,9 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
 
 
 def _image_row_difference(model, processor, seed: int) -> float:
-    """`hook.verify_images`' check, with two of `verify_packing`'s text documents around the image document."""
+    """`hook.verify_images`' check, with two text documents around the image document."""
     device = next(model.parameters()).device
-    texts = _random_documents(model.config, LENGTHS[:2], seed, device)
+    texts = _random_documents(model.config, IMAGE_ROW_TEXT_LENGTHS, seed, device)
     was_training = model.training
     model.eval()
     try:
@@ -149,11 +118,11 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
 
     Args:
         model ([`~transformers.PreTrainedModel`]): As in [`verify_packing`].
-        rows (`Sequence[Sequence[int]]`, *optional*, defaults to `((9, 7), (11,))`):
+        rows (`Sequence[Sequence[int]]`, *optional*, defaults to `((9, 1, 2, 4), (11, 3))`):
             Document lengths per packed row, e.g. `[[93, 1, 32, 1], [128]]`; each row's documents are followed by
             padding up to `columns`.
         columns (`int`, *optional*, defaults to `16`): Tokens per packed row.
-        gradients (`bool`, *optional*, defaults to `False`): Compare gradients too (three backwards more).
+        gradients (`bool`, *optional*, defaults to `False`): Compare gradients too (a backward per forward).
         atol (`float`, *optional*): Limit for both comparisons instead of the calibrated ones.
         seed (`int`, *optional*, defaults to `0`): Seed of the random token ids.
 
@@ -171,8 +140,10 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     ...                                      num_hidden_layers=1, num_attention_heads=2))
     >>> with packing_configured(model):
     ...     measured = measure_packing(model, [[5, 1, 7], [16]], 16, gradients=True)
-    >>> measured.exact, measured.logits.limit, measured.gradients.limit
-    (True, 0.0001, 0.0001)
+    >>> measured.exact, measured.gradients.limit
+    (True, 1e-05)
+    >>> measured.logits.explained  # the base: 1e-6 of the largest logit alone; the noise floor here is below it
+    'limit 3.3e-07 = max(1e-06 x the largest alone |logit| 0.33, 3 x the noise floor 5.96e-08 of float32)'
     >>> measure_packing(model, [[5, 1, 7], [16]], 16).exact  # unconfigured: the documents attend to each other
     False
 
@@ -209,14 +180,13 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
                                         else (None, None))
     finally:
         model.train(was_training)
-    base = BASE_ATOL.get(parameter.dtype, HALF_BASE_ATOL)
-    logits = _compare("logits", packed, followed, alone, atol, base, dtype=parameter.dtype)
+    logits = compare("logits", packed, followed, alone, atol, dtype=parameter.dtype)
     if not gradients:
         return PackingMeasurement(logits)
     scale = max(gradient.abs().max().item() for gradient in alone_gradients) or 1.0
     relative = [[gradient / scale for gradient in side] if side is not None else None
                 for side in (packed_gradients, followed_gradients, alone_gradients)]
-    return PackingMeasurement(logits, _compare("gradients", *relative, atol, base, dtype=parameter.dtype))
+    return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=parameter.dtype))
 
 
 def _check_rows(rows, columns: int) -> None:
@@ -270,18 +240,6 @@ def _document_loss(output: torch.Tensor, document: torch.Tensor, is_logits: bool
     if not is_logits:
         return output.pow(2).mean()
     return torch.nn.functional.cross_entropy(output, document.roll(-1))
-
-
-def _compare(name: str, packed, followed, alone, atol, base, *, dtype) -> Comparison:
-    difference = max(((p - a).abs().max().item() for p, a in zip(packed, alone, strict=True)), default=0.0)
-    if atol is not None:
-        return Comparison(difference, atol, None, f"atol {atol:g}")
-    floor = max(((f - a).abs().max().item() for f, a in zip(followed, alone, strict=True)), default=0.0)
-    limit = max(base, NOISE_MARGIN * floor)
-    relative = " of the largest alone gradient" if name == "gradients" else ""
-    explained = (f"limit {limit:.3g}{relative} = max({base:g}, {NOISE_MARGIN:g} x the noise floor {floor:.3g} of "
-                 f"{str(dtype).removeprefix('torch.')})")
-    return Comparison(difference, limit, floor, explained)
 
 
 def _random_documents(config, lengths, seed, device) -> list[torch.Tensor]:
