@@ -139,6 +139,7 @@ def worker(rank: int, port: int, engine: str, model_types, result_path: str) -> 
 
 
 def run_case(rank, sharding, model_type, reshard, checkpointing, indexed) -> dict:
+    """One case on this rank: the two references first (unsharded copies), then the sharded step on its two rows."""
     rows = packed_rows()
     model = tiny_model(model_type).train()  # seeded: the same weights on every rank
     if indexed:
