@@ -207,3 +207,22 @@ def test_real_smollm2_catches_a_small_attention_leak(dtype, eps):
         verify_packing(model)
         with InjectedLeak(model, "attention", eps), pytest.raises(ContaminationError, match="noise floor"):
             verify_packing(model)
+
+
+def test_a_zero3_partitioned_model_is_configured_and_not_verified(caplog):
+    """DeepSpeed ZeRO-3 builds the model partitioned (each parameter a 1-D shard marked `ds_id`) before its engine
+    exists: a verification forward there failed in PackedSFTTrainer's `__init__` ("'weight' must be 2-D", found on 2
+    gloo ranks). The trainers' check configures the hook and says why it does not verify."""
+    from llm_packing import is_packing_configured, unconfigure_packing
+    from llm_packing.hook.verify import configure_and_verify
+
+    model = tiny_model("llama", "sdpa")
+    for index, parameter in enumerate(model.parameters()):
+        parameter.ds_id = index
+    caplog.set_level("WARNING", logger="llm_packing")
+    try:
+        assert configure_and_verify(model, where="[rank 0/2] ") is None
+        assert is_packing_configured()
+    finally:
+        unconfigure_packing()
+    assert "[rank 0/2] isolation not verified: the model's parameters are partitioned by DeepSpeed" in caplog.text
