@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import sys
 import time
 
@@ -36,35 +35,12 @@ CASES = (
 LIMITS = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
-def packed_batches(count: int, flash: bool, seed: int = 0) -> list[dict]:
-    """`count` collated batches of 2 packed rows, 2-5 documents of 1-20 tokens each: every batch a new layout, most a
-    new length (as tests/test_compile.py draws them)."""
-    from llm_packing import DataCollatorWithPacking
-
-    collator, rng, batches = DataCollatorWithPacking(return_flash_attn_kwargs=flash), random.Random(seed), []
-    for _ in range(count):
-        rows = []
-        for _ in range(2):
-            lengths = [rng.randint(1, 20) for _ in range(rng.randint(2, 5))]
-            rows.append({"input_ids": [rng.randint(3, 127) for _ in range(sum(lengths))], "seq_lengths": lengths})
-        batches.append(collator(rows))
-    return batches
-
-
-def compiled_frames() -> int:
-    """How many compiled entries dynamo holds, over every frame it has seen: each compile of a frame adds one."""
-    from torch._dynamo import convert_frame
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    codes = [reference() for reference in convert_frame.input_codes.seen]
-    return sum(len(_debug_get_cache_entry_list(code)) for code in codes if code is not None)
-
-
 def run_case(model_type: str, backend: str, route: str | None, dtype: str, device: str, batches: int) -> dict:
     """One case: per batch the relative differences (logits, loss, gradients) and the compiled entries after it."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from compile_checks import compiled_frames, packed_batches
     from tiny_models import tiny_model
 
     from llm_packing.hook.configure import packing_configured

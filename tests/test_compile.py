@@ -10,16 +10,13 @@ The hook's replacements run outside dynamo's graphs (`registry.outside_graphs`);
 """
 
 import copy
-import random
 
 import pytest
 import torch
+from compile_checks import compiled_frames, packed_batches
 from test_train import write_recipe
 from tiny_models import tiny_model
-from torch._dynamo import convert_frame
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from llm_packing import DataCollatorWithPacking
 from llm_packing.cli.train import main
 from llm_packing.hook import registry
 from llm_packing.hook.configure import packing_configured
@@ -38,25 +35,6 @@ CASES = [
 ]
 
 
-def packed_batches(count: int = BATCHES, seed: int = 0) -> list[dict]:
-    """`count` collated batches of 2 packed rows, 2-5 documents of 1-20 tokens each: every batch a new layout, most a
-    new length."""
-    collator, rng, batches = DataCollatorWithPacking(), random.Random(seed), []
-    for _ in range(count):
-        rows = []
-        for _ in range(2):
-            lengths = [rng.randint(1, 20) for _ in range(rng.randint(2, 5))]
-            rows.append({"input_ids": [rng.randint(3, 127) for _ in range(sum(lengths))], "seq_lengths": lengths})
-        batches.append(collator(rows))
-    return batches
-
-
-def compiled_frames() -> int:
-    """How many compiled entries dynamo holds, over every frame it has seen: each compile of a frame adds one."""
-    codes = [reference() for reference in convert_frame.input_codes.seen]
-    return sum(len(_debug_get_cache_entry_list(code)) for code in codes if code is not None)
-
-
 def compiled_and_eager_differences(model_type, backend, route) -> tuple[list[tuple[float, float, float]], list[int]]:
     """Per batch, the largest compiled-eager differences of (logits, loss, gradients), and the compiled entries
     dynamo holds after it."""
@@ -66,7 +44,7 @@ def compiled_and_eager_differences(model_type, backend, route) -> tuple[list[tup
     compiled = torch.compile(model)
     differences, frames = [], []
     with packing_configured(model, attention_route=route):
-        for batch in packed_batches():
+        for batch in packed_batches(BATCHES):
             output = compiled(**batch, use_cache=False)
             output.loss.backward()
             expected = eager(**batch, use_cache=False)
