@@ -302,11 +302,21 @@ class TestPackedEqualsAlone:
         assert difference > 0.1 * scale
 
 
+# How many times verify's limit the unconfigured model's difference must exceed, per dtype: below the least seed-0
+# ratio over sdpa and eager in benchmarks/results/verify_noise_floor.md (2.4x in bfloat16, 27.6x in float16, 2.7e4x
+# in float32), with room for other CPUs' rounding (another machine's bfloat16 ratio was 4.6x, this one's 2.4x).
+CONTAMINATION_MARGIN = {torch.float32: 1000.0, torch.float16: 20.0, torch.bfloat16: 2.0}
+
+
 class TestVerifyPacking:
     @pytest.fixture(scope="class", params=[torch.float32, torch.bfloat16, torch.float16],
                     ids=["float32", "bfloat16", "float16"])
     def model(self, request, smollm2):
-        return smollm2 if request.param is torch.float32 else copy.deepcopy(smollm2).to(request.param)
+        # Loaded in its dtype as users load it (and as benchmarks/verify_noise_floor.py does), not cast: `.to()` would
+        # cast the rotary frequencies too, and move bfloat16's noise floor (2.04 instead of 2.49 on seed 0, sdpa).
+        if request.param is torch.float32:
+            return smollm2
+        return load_bundled_model(dtype=request.param, attn_implementation="sdpa").eval()
 
     @pytest.mark.parametrize("backend", ["sdpa", "eager"])
     def test_passes_configured_and_catches_unconfigured(self, model, backend):
@@ -319,11 +329,13 @@ class TestVerifyPacking:
                 verify_packing(model)
         finally:
             model.set_attn_implementation("sdpa")
-        # The calibrated limit stays far below real contamination, whatever the dtype: at NOISE_MARGIN 3 (chosen for
-        # a 2x headroom against false alarms) the leak is 4.6x the limit in bfloat16, 3.9x at the least of 8 seeds
-        # (benchmarks/results/verify_noise_floor.md).
+        # The calibrated limit stays well below real contamination on verify's seed 0 (2.4x sdpa / 7.8x eager in
+        # bfloat16, 27.6x / 33.2x in float16, 2.7e4x / 4.7e4x in float32 in the table), so a limit raised toward the
+        # contaminated difference fails here. Not on every seed in bfloat16 on sdpa: at seeds 4 and 7 one token's
+        # noise floor is 24-26 logits (at seed 4 bfloat16 is 35-39 logits off float32 there) and the limit is above
+        # the leak.
         difference, limit = map(float, re.search(r" by (\S+) \(limit (\S+) ", str(caught.value)).groups())
-        assert difference > 4 * limit, (difference, limit)
+        assert difference > CONTAMINATION_MARGIN[model.dtype] * limit, (difference, limit)
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ every backend, and `unconfigure_packing()` undoes it.
   (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, Mllama's
   cross-attention bounded in `cross_attention`), all other media refused;
 - `mask_functions`: mask builder calls with image mask functions (bidirectional image blocks) bounded by the document;
-- `verify`: `verify_packing`, the behavioural check (with images: `verify_images`);
+- `verify`: `verify_packing`, the behavioural check (its limits, calibrated on the model's own noise, in
+  `verify_limits`; with images: `verify_images`);
 - `support`: which architectures are proven or refused, as data, and the support matrix.
 
 May import: `llm_packing.core`, `llm_packing.errors`, `llm_packing._compat`, torch and transformers; never `data`,
