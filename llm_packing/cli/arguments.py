@@ -90,8 +90,7 @@ class PackingArguments:
     padding_free: bool = field(
         default=False,
         metadata={
-            "help": "Flatten each batch into a single row with position_ids and no attention mask, instead of rows "
-            "with an indexed attention mask."
+            "help": "Flatten each batch into one row with position_ids and no mask (not the indexed mask)."
         },
     )
     packing_seed: int | None = field(
@@ -101,8 +100,7 @@ class PackingArguments:
     attention_route: str = field(
         default="auto",
         metadata={
-            "help": "sdpa attention for packed rows: auto (varlen where the architecture allows), dense (L x L mask) "
-            "or varlen (error unless taken).",
+            "help": "sdpa for packed rows: auto (by device and length), dense (L x L mask), varlen.",
             "choices": list(ROUTES),
         },
     )
@@ -115,8 +113,7 @@ class PackingArguments:
     )
     sequence_parallel_size: int = field(
         default=1,
-        metadata={"help": "Cut each packed row across this many processes (Ulysses sequence parallelism); must "
-                  "divide the process count and num_attention_heads. 1: off."},
+        metadata={"help": "Cut each packed row across this many processes (Ulysses); divides processes and heads."},
     )
 
     packing_engine: str = field(
