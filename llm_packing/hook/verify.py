@@ -29,7 +29,8 @@ COLUMNS = 16
 # state into its neighbours' first tokens, where a leaking mixer shows most, and four of the six documents follow
 # another: on the injected leaks of `benchmarks/verify_leaks.py` the differences are 1 to 2 times those of the earlier
 # rows [9, 7], [11, 5 pads]. The noise floor, a maximum over more documents, can rise too: SmolLM2-135M unconfigured in
-# bfloat16 exceeds its limit 2.9, 3.2 and 5.4 times on seeds 0-2 (2.2, 8.6 and 5.4 times with the earlier rows). 16
+# bfloat16 exceeds its limit 2.4-10.9 times on sdpa seeds 0-7 but 4 and 7, whose floor of 24-26 logits (one unstable
+# token) hides it, and 7.8-14.3 times on eager (benchmarks/results/verify_noise_floor.md). 16
 # columns, because compiled flex_attention on CPU (torch 2.13) miscomputes some lengths such as 8 or 24 whatever the
 # mask.
 ROWS = ((9, 1, 2, 4), (11, 3))
@@ -43,8 +44,8 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
 
     Attention kernels (sdpa) round differently for different sequence lengths, so a document's logits change when
     anything follows it, even under plain causal attention where nothing can leak into it. On SmolLM2-135M with sdpa
-    (logits up to 35) that noise is 8e-5 in float32, 0.08-0.23 in float16 and 0.47-2.1 in bfloat16 (seeds 0-7 of
-    `benchmarks/verify_noise_floor.py`). It is measured on the spot: each document is run followed by unrelated
+    (logits up to 35) that noise is 7e-5 to 7e-4 in float32, 0.09-0.38 in float16 and 0.7-2.5 in bfloat16, 24-26 on
+    two of eight seeds (`benchmarks/verify_noise_floor.py`). It is measured on the spot: each document is run followed by unrelated
     tokens, plain causal attention and no packing, and compared with the document alone. The packed logits may then
     differ from the alone ones by `max(base, NOISE_MARGIN * floor)` (`NOISE_MARGIN` is 3), the base being `1e-6`
     (float32/float64) or `2**-6` (float16/bfloat16) times the largest logit alone (`hook.verify_limits`).

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 
-# Packed outputs may differ from the alone ones by this many times the noise floor. On SmolLM2-135M (CPU, sdpa, seeds
-# 0-7, benchmarks/verify_noise_floor.py) the configured model differs by up to 1.5 times the floor (bfloat16 seed 3):
-# 3 keeps a 2x headroom against false alarms. The unconfigured one exceeds the limit 2.9 to 5.4 times in bfloat16, 22
-# to 54 times in float16 and over 25,000 times in float32 (verify's rows, seeds 0-2, transformers 5.24).
+# Packed outputs may differ from the alone ones by this many times the noise floor. On SmolLM2-135M (CPU, sdpa and
+# eager, seeds 0-7, benchmarks/results/verify_noise_floor.md) the configured model differs by up to 2.8 times the floor
+# (float32 eager seed 1, 0.93 of its limit); in half precision by at most 0.19 of the limit. The unconfigured one
+# exceeds the limit 2.4-14.3 times in bfloat16 (not on sdpa seeds 4 and 7, whose floor one unstable token raises to
+# 24-26 logits), 16-54 times in float16 and over 5,900 times in float32 (transformers 5.24).
 NOISE_MARGIN = 3.0
 # The logits' base, times the largest |logit| of the documents alone: 8 to 17 units in the last place of float32 at
 # that scale, 2 to 4 of bfloat16 (configured, the tiny model of every supported type stays below 0.46 and 0.33 of the
