@@ -45,10 +45,10 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
     Attention kernels (sdpa) round differently for different sequence lengths, so a document's logits change when
     anything follows it, even under plain causal attention where nothing can leak into it. On SmolLM2-135M with sdpa
     (logits up to 35) that noise is 7e-5 to 7e-4 in float32, 0.09-0.38 in float16 and 0.7-2.5 in bfloat16, 24-26 on
-    two of eight seeds (`benchmarks/verify_noise_floor.py`). It is measured on the spot: each document is run followed by unrelated
-    tokens, plain causal attention and no packing, and compared with the document alone. The packed logits may then
-    differ from the alone ones by `max(base, NOISE_MARGIN * floor)` (`NOISE_MARGIN` is 3), the base being `1e-6`
-    (float32/float64) or `2**-6` (float16/bfloat16) times the largest logit alone (`hook.verify_limits`).
+    two of eight seeds (`benchmarks/verify_noise_floor.py`). It is measured on the spot: each document is run followed
+    by unrelated tokens, plain causal attention and no packing, and compared with the document alone. The packed
+    logits may then differ from the alone ones by `max(base, NOISE_MARGIN * floor)` (`NOISE_MARGIN` is 3), the base
+    being `1e-6` (float32/float64) or `2**-6` (float16/bfloat16) times the largest logit alone (`hook.verify_limits`).
     Contamination is far above that: documents that attend to their neighbour differ by 13 to 34 logits on
     SmolLM2-135M in every dtype. Small leaks are caught too: a fraction `eps` of a document's state carried into the
     next one is caught in float32 from `eps` = 1e-5 (attention, SmolLM2-135M) and, on tiny models, wherever the parity
