@@ -21,8 +21,10 @@ The documents come from the forward's state (`hook.documents`): the mask builder
 from it, so an indexer handed one of them needs no host copy. A mask they did not make on this thread (the recompute
 of a checkpointed layer, which autograd may run on another thread; a prepared mask passed in while evaluating) is read
 itself, once per mask and thread: a document starts at every token that cannot see the token before it. A mask in
-which some token cannot see itself is no packed mask (transformers' padded masks hide padding from itself, where the
-hook's make each padding token a one-token document): the indexer runs as it was.
+which some token cannot see itself is transformers' padded mask (it hides padding from itself, where the hook's make
+each padding token a one-token document), one document a row: with padding, each row's document is ranked alone too
+(`topk` over the padded row kept other tied keys: glm_moe_dsa off by 0.2, issue 35), and the padding tokens keep what
+the indexer picks for them over the whole batch.
 
 `INDEXERS` is the one table of indexer classes the hook wraps.
 """
