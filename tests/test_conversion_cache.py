@@ -12,8 +12,8 @@ import time
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from test_real_model import fake_gguf_file
+from transformers import LlamaForCausalLM
 
 from llm_packing import cli
 from llm_packing.cli.cache import format_size, main as cache_main
@@ -204,23 +204,8 @@ def _link(path: str) -> str | None:
 class TestAfterConversion:
     @pytest.fixture
     def fake_gguf(self, root, tmp_path, monkeypatch):
-        """A file standing for a GGUF checkpoint whose reading gives a tiny llama and a word-level tokenizer. Returns
-        the file and the list of readings."""
-        readings = []
-
-        def model(path, **options):
-            readings.append("model")
-            return LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16,
-                                                num_hidden_layers=1, num_attention_heads=2))
-
-        def tokenizer(path):
-            readings.append("tokenizer")
-            return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1}, "a")))
-
-        monkeypatch.setattr(pretrained, "_model_from_gguf", model)
-        monkeypatch.setattr(pretrained, "_tokenizer_from_gguf", tokenizer)
-        path = tmp_path / "fake.gguf"
-        path.write_bytes(b"GGUF")
+        """`test_real_model.fake_gguf_file`: the file (a str) and the list of readings."""
+        path, readings = fake_gguf_file(tmp_path, monkeypatch)
         return str(path), readings
 
     def test_a_conversion_prunes_to_the_newest(self, root, fake_gguf, monkeypatch):

@@ -166,6 +166,26 @@ class TestLoader:
         assert issubclass(CheckpointFileError, (PackingError, OSError))
 
 
+def fake_gguf_file(tmp_path, monkeypatch):
+    """A file standing for a GGUF checkpoint whose reading gives a tiny llama and a word-level tokenizer (also used by
+    tests/test_conversion_cache.py). Returns the file and the list of readings."""
+    readings = []
+
+    def model(path, **options):
+        readings.append("model")
+        return LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16,
+                                            num_hidden_layers=1, num_attention_heads=2))
+
+    def tokenizer(path):
+        readings.append("tokenizer")
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1}, "a")))
+
+    monkeypatch.setattr(pretrained, "_model_from_gguf", model)
+    monkeypatch.setattr(pretrained, "_tokenizer_from_gguf", tokenizer)
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"GGUF")
+    return path, readings
+
 class TestConversionCache:
     """The first load converts the GGUF file into a folder (safetensors, config, tokenizer); later loads read it."""
 
@@ -205,25 +225,9 @@ class TestConversionCache:
 
     @pytest.fixture
     def fake_gguf(self, tmp_path, monkeypatch):
-        """A file standing for a GGUF checkpoint whose reading gives a tiny llama and a word-level tokenizer; the
-        cache under tmp_path. Returns the file and the list of readings."""
-        readings = []
-
-        def model(path, **options):
-            readings.append("model")
-            return LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16,
-                                                num_hidden_layers=1, num_attention_heads=2))
-
-        def tokenizer(path):
-            readings.append("tokenizer")
-            return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1}, "a")))
-
-        monkeypatch.setattr(pretrained, "_model_from_gguf", model)
-        monkeypatch.setattr(pretrained, "_tokenizer_from_gguf", tokenizer)
+        """`fake_gguf_file`, with the cache under tmp_path."""
         monkeypatch.setenv(pretrained.CACHE_VARIABLE, str(tmp_path / "cache"))
-        path = tmp_path / "fake.gguf"
-        path.write_bytes(b"GGUF")
-        return path, readings
+        return fake_gguf_file(tmp_path, monkeypatch)
 
     def test_converts_once(self, fake_gguf, tmp_path):
         path, readings = fake_gguf
