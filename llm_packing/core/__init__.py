@@ -2,6 +2,7 @@
 
 - `binpack`: `pack_sequences`, best-fit decreasing (and its siblings) on the length histogram;
 - `plan`: `plan_rows`, the rows `pack_dataset` writes (the same bins, in their final order), ~10 bytes a document;
+- `buffered`: `buffered_bins`, the bins of a stream packed a bounded buffer at a time (streamed `pack_dataset`);
 - `templates`: a plan as bin templates, and documents handed to their slots a chunk of rows at a time;
 - `length_sort`: document ids sorted by length in 4 bytes each, a streamed counting sort;
 - `overflow`: over-long and empty documents cut into pieces before packing, per the `overflow` policy;

@@ -1,10 +1,10 @@
 """Packing for `datasets.IterableDataset`: best-fit over a bounded buffer instead of the whole dataset.
 
-Sequences are read `buffer_size` at a time and packed with `pack_sequences`. Bins at least `_MIN_FILL` full are
-emitted; the documents of the emptier ones go back into the buffer to meet the next sequences (at most half a buffer
-of them, so every round makes progress), and only the last round emits whatever is left. Memory is bounded by the
-buffer. The trade-off: a document only meets partners within its buffer, so rows are a little less full than with the
-global packing of a map-style dataset (measured in tests/test_dataset.py), and the rows' order follows the stream.
+Sequences are read `buffer_size` at a time and packed by `core/buffered.py`: full-enough bins are emitted, the
+documents of emptier ones wait in the buffer for the next sequences, and only the last round emits whatever is left.
+Memory is bounded by the buffer. The trade-off: a document only meets partners within its buffer, so rows are a little
+less full than with the global packing of a map-style dataset (measured in tests/test_dataset.py), and the rows' order
+follows the stream.
 """
 
 import dataclasses
@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import datasets
 import numpy as np
 
-from ..core.binpack import pack_sequences, seed_from_components
+from ..core.binpack import pack_sequences
+from ..core.buffered import buffered_bins
 from ..core.checks import check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.rows import (
@@ -32,7 +33,6 @@ from ..errors import PackingValueError
 
 logger = logging.getLogger(__name__)
 
-_MIN_FILL = 0.99  # a bin this full is emitted rather than offered more partners
 _TOKENS = datasets.List(datasets.Value("int32"))
 
 
@@ -97,50 +97,28 @@ def pack_iterable_dataset(
 
 
 def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
-    max_length, buffer_size, overflow = options["max_length"], options["buffer_size"], options["overflow"]
-    buffer: list[tuple[np.ndarray, np.ndarray]] = []
+    max_length, buffer_size = options["max_length"], options["buffer_size"]
     counts: dict[str, int] = {}
     bin_tokens: list[int] = []
-    rounds = num_pieces = 0
-    for row, example in enumerate(dataset):
-        input_ids, labels = _document(example, row)
-        pieces = cut_pieces(np.array([len(input_ids)]), max_length, overflow, first_row=row)
-        for name, value in pieces.counts().items():
-            counts[name] = counts.get(name, 0) + value
-        num_pieces += len(pieces.length)
-        buffer.extend(
-            (input_ids[s : s + n], labels[s : s + n]) for s, n in zip(pieces.start, pieces.length, strict=True)
-        )
-        if len(buffer) >= buffer_size:
-            buffer = yield from _emit(buffer, options, rounds, bin_tokens, final=False)
-            rounds += 1
-    yield from _emit(buffer, options, rounds, bin_tokens, final=True)
-    stats = PackingStats.from_bin_token_counts(bin_tokens, num_sequences=num_pieces, capacity=max_length)
+    for documents in buffered_bins(_pieces(dataset, options, counts), max_length, buffer_size=buffer_size,
+                                   strategy=options["strategy"], seed=options["seed"],
+                                   max_docs_per_bin=options["max_docs_per_bin"]):
+        bin_tokens.append(sum(length for length, _ in documents))
+        yield _row([document for _, document in documents], options)
+    stats = PackingStats.from_bin_token_counts(bin_tokens, num_sequences=counts.pop("pieces", 0),
+                                               capacity=max_length)
     logger.info("pack_dataset (streaming, buffer_size=%d):\n%s", buffer_size, dataclasses.replace(stats, **counts))
 
 
-def _emit(buffer, options, round_index, bin_tokens, *, final):
-    """Pack `buffer`, yield the full-enough rows (all of them if `final`), return the documents carried over."""
-    if not buffer:
-        return []
-    lengths = np.array([len(ids) for ids, _ in buffer], dtype=np.int64)
-    seed = None if options["seed"] is None else seed_from_components(options["seed"], round_index)
-    result = pack_sequences(lengths, options["max_length"], strategy=options["strategy"], seed=seed,
-                            max_docs_per_bin=options["max_docs_per_bin"])
-    bins = np.split(result.order, result.bin_offsets[1:-1])
-    fill = np.asarray(result.bin_token_counts) / options["max_length"]
-    carried_bins, carried_documents = set(), 0
-    if not final:
-        for b in np.argsort(fill, kind="stable"):
-            if fill[b] >= _MIN_FILL or carried_documents + len(bins[b]) > options["buffer_size"] // 2:
-                break
-            carried_bins.add(b)
-            carried_documents += len(bins[b])
-    for b, documents in enumerate(bins):
-        if b not in carried_bins:
-            bin_tokens.append(int(lengths[documents].sum()))
-            yield _row([buffer[d] for d in documents], options)
-    return [buffer[d] for b in sorted(carried_bins) for d in bins[b]]
+def _pieces(dataset, options, counts: dict[str, int]) -> Iterator[list[tuple[int, tuple[np.ndarray, np.ndarray]]]]:
+    """Each example's pieces (cut per `overflow`) as `(length, (input_ids, labels))`, counting what was cut."""
+    for row, example in enumerate(dataset):
+        input_ids, labels = _document(example, row)
+        pieces = cut_pieces(np.array([len(input_ids)]), options["max_length"], options["overflow"], first_row=row)
+        for name, value in {**pieces.counts(), "pieces": len(pieces.length)}.items():
+            counts[name] = counts.get(name, 0) + value
+        yield [(int(n), (input_ids[s : s + n], labels[s : s + n]))
+               for s, n in zip(pieces.start, pieces.length, strict=True)]
 
 
 def _row(documents: list[tuple[np.ndarray, np.ndarray]], options: dict) -> dict[str, list[int]]:
