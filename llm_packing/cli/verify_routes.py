@@ -20,7 +20,7 @@ from ..hook import mixers
 from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route
 from ..hook.support.model_types import causal_lm_model_type
-from ..hook.varlen import torch_varlen_attn
+from ..hook.varlen import flash_varlen_op
 from ..hook.verify import measure_packing
 from ..hook.verify_limits import Comparison
 
@@ -139,8 +139,8 @@ def kernel(model, backend: str, route: str | None) -> str:
     if route == "dense" or sdpa_route(model.config)[0] == "dense":
         return "dense L x L document mask"
     parameter = next(model.parameters())
-    if parameter.is_cuda and parameter.dtype in (torch.float16, torch.bfloat16) and torch_varlen_attn() is not None:
-        return "torch varlen_attn (one call per layer)"
+    if parameter.is_cuda and parameter.dtype in (torch.float16, torch.bfloat16) and flash_varlen_op() is not None:
+        return "torch FlashAttention 2 varlen op (one call per layer)"
     return "per-document SDPA (length buckets)"
 
 

@@ -5,8 +5,9 @@ On sdpa the patched mask builders hand every attention layer a [`PackedAttention
 indexed mask: documents grouped into a few length buckets, with the gather indices that pull each bucket's tokens out
 of the flattened batch. The sdpa attention function (replaced in `ALL_ATTENTION_FUNCTIONS` while packing is
 configured) then runs, per layer:
-- on CUDA in float16/bfloat16, torch's own `torch.nn.attention.varlen.varlen_attn` in one call over the whole batch in
-  place, its documents and padding runs as segments (no gather, no scatter);
+- on CUDA in float16/bfloat16, torch's own FlashAttention 2 varlen op (`aten._flash_attention_forward`) in one call
+  over the whole batch in place, its documents and padding runs as segments (no gather, no scatter), grouped-query
+  heads as they are;
 - otherwise one `scaled_dot_product_attention` call per bucket (`is_causal=True`, no mask for full attention), so
   attention costs the sum of each document's own `l^2` and memory stays linear in tokens.
 Sliding windows are a band mask per bucket (only for buckets longer than the window); chunked attention cuts every
@@ -15,7 +16,6 @@ position biases) keeps the dense route: see `llm_packing.hook.support.architectu
 """
 
 import functools
-import inspect
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -106,20 +106,24 @@ class PackedAttentionMask:
             sources.append(offset + np.flatnonzero(real))
             destinations.append(buckets[-1][real])
             offset += real.size
-        device = attention_mask.device
-
-        def to_device(array):
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
-
+        source = np.concatenate(sources) if sources else np.zeros(0, np.int64)
+        destination = np.concatenate(destinations) if destinations else np.zeros(0, np.int64)
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        # One host-to-device copy for the whole layout: each copy from pageable memory waits for the device's queue.
+        parts = [*buckets, source, destination, cu_seqlens, segments]
+        flat = torch.from_numpy(np.concatenate([part.ravel() for part in parts]).astype(np.int64))
+        flat = flat.to(attention_mask.device)
+        pieces = flat.split([part.size for part in parts])
+        *bucket_pieces, source, destination, cu_seqlens, segments_on_device = pieces
         return cls(
             batch_size=batch_size,
             length=length,
-            buckets=tuple(to_device(bucket) for bucket in buckets),
-            source=to_device(np.concatenate(sources) if sources else np.zeros(0)),
-            destination=to_device(np.concatenate(destinations) if destinations else np.zeros(0)),
-            cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(device),
+            buckets=tuple(piece.view(bucket.shape) for piece, bucket in zip(bucket_pieces, buckets, strict=True)),
+            source=source,
+            destination=destination,
+            cu_seqlens=cu_seqlens.int(),
             max_seqlen=int(lengths.max(initial=0)),
-            segments=torch.from_numpy(segments.astype(np.int32)).to(device),
+            segments=segments_on_device.int(),
             max_segment=int(np.diff(segments).max(initial=0)),
             window=window,
         )
@@ -191,45 +195,50 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
 
 
 def _use_torch_varlen(query, key, value, dropout: float) -> bool:
-    """torch's varlen kernel is FlashAttention: CUDA, half precision, no dropout, equal head dims up to 256; and this
-    torch must have it, taking a `window_size` (causal and sliding windows are given that way)."""
+    """torch's FlashAttention 2 varlen op runs here: CUDA (not ROCm) on an Ampere or newer GPU, half precision, no
+    dropout, equal head dims up to 256 in multiples of 8, and a torch whose op takes a sliding window."""
     return (
         query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
-        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256
-        and "window_size" in _parameters(torch_varlen_attn())
+        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 and query.shape[-1] % 8 == 0
+        and flash_varlen_op() is not None and _flash_capable(query.device.index)
     )
 
 
+@functools.cache
+def _flash_capable(device_index: int | None) -> bool:
+    """Whether torch's FlashAttention kernels run on this CUDA device: sm80 or newer, not ROCm (other kernels)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def _torch_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
-    """One call of torch's varlen kernel over the segments of the flattened batch `tokens` (query, key, value, each
-    `(batch_size * length, heads, dim)`). A torch whose kernel takes no `enable_gqa` (2.11) gets the key and value
-    heads repeated for grouped-query attention."""
-    function = torch_varlen_attn()
+    """One call of torch's FlashAttention 2 varlen op over the segments of the flattened batch `tokens` (query, key,
+    value, each `(batch_size * length, heads, dim)`); grouped-query key and value heads go in as they are.
+
+    The op itself, not `torch.nn.attention.varlen.varlen_attn`: on an H200 with torch 2.11 that wrapper chose cuDNN,
+    which takes no grouped-query heads (so they were repeated) and whose steps left the GPU idle 57% of the time
+    (benchmarks/results/gpu-2026-11-27-h200/gpu_profile_h200.md)."""
     query, key, value = tokens
-    options = {"scale": scaling, "window_size": (-1, 0) if mask.window is None else (mask.window - 1, 0)}
-    if query.shape[1] != key.shape[1]:
-        if "enable_gqa" in _parameters(function):
-            options["enable_gqa"] = True
-        else:
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return function(query, key, value, mask.segments, mask.segments, mask.max_segment, mask.max_segment, **options)
+    window_left = -1 if mask.window is None else mask.window - 1
+    output = flash_varlen_op()(
+        query, key, value, mask.segments, mask.segments, mask.max_segment, mask.max_segment, 0.0, True, False,
+        scale=scaling, window_size_left=window_left, window_size_right=0,
+    )
+    return output[0]
 
 
-def torch_varlen_attn():
-    """torch's `torch.nn.attention.varlen.varlen_attn`, imported when first used (CUDA only); None where this torch
-    has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+def flash_varlen_op():
+    """`torch.ops.aten._flash_attention_forward` (differentiable: its backward is `_flash_attention_backward`) where
+    this torch's takes `window_size_left`/`window_size_right`; None elsewhere."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or not {"window_size_left", "window_size_right"} <= _argument_names(op):
         return None
-    return varlen_attn
+    return op
 
 
 @functools.cache
-def _parameters(function) -> frozenset[str]:
-    """The parameter names of `function` (none for None), read once: this runs in every attention layer's call."""
-    return frozenset() if function is None else frozenset(inspect.signature(function).parameters)
+def _argument_names(op) -> frozenset[str]:
+    """The argument names of an ATen op's schema, read once: this runs in every attention layer's call."""
+    return frozenset(argument.name for argument in op.default._schema.arguments)
 
 
 def _refuse_inexpressible(module, kwargs) -> None:
