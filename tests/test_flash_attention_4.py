@@ -117,6 +117,28 @@ def test_kernel_fed_whole_rows_leaks(flash_model, monkeypatch):
     assert _max_difference(logits, separate) > 1e-3
 
 
+@pytest.mark.parametrize(("head_dim", "refused"), [(16, True), (32, False)])
+def test_cuda_training_below_head_dim_32_is_refused(flash_model, monkeypatch, head_dim, refused):
+    """FlashAttention 4's varlen backward was measured wrong at head dim 16 on an H200 (right at 32 and 64), so a
+    CUDA training forward of a configured model below 32 is refused, naming the fix; evaluation, CPU and head dim 32
+    run (the CUDA check is stood in for: this machine has no GPU)."""
+    from llm_packing.hook import guards
+
+    model = flash_model("llama", "flash_attention_4", head_dim=head_dim).train()
+    batch = packed_batch()
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with packing_configured(model):
+        model(**inputs)  # on CPU: the stand-in kernel, right at any head dim
+        monkeypatch.setattr(guards, "_on_cuda", lambda tensor: True)
+        with torch.no_grad():
+            model(**inputs)  # no gradients, no backward: its forward is right
+        if not refused:
+            model(**inputs)
+            return
+        with pytest.raises(UnsupportedSetupError, match=r"head_dim 16: .*attn_implementation='sdpa'"):
+            model(**inputs)
+
+
 def test_stand_in_attends_each_segment_alone(monkeypatch):
     """The stand-in itself: per-document segments give torch SDPA's causal GQA attention of each document alone;
     whole-row segments do not (later documents attend to earlier ones)."""
@@ -146,6 +168,7 @@ def test_verify_command_proves_flash_attention_4(flash_model, tmp_path, capsys):
     """`llm-packing verify --attn_implementation flash_attention_4`: logits and gradients exact through FA4."""
     torch.manual_seed(0)
     tiny_model("llama", "eager").save_pretrained(tmp_path)
+    capsys.readouterr()  # saving may import DeepSpeed (accelerate's unwrap), which prints a warning once a process
     code = cli.main(["verify", "--model", str(tmp_path), "--attn_implementation", "flash_attention_4"])
     out, _ = capsys.readouterr()
     assert code == 0 and out.startswith("exact: ") and "(llama, float32, cpu, flash_attention_4)" in out, out

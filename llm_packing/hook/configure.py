@@ -102,6 +102,7 @@ def configure_packing(
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
         guards.refuse_batches_without_documents(model_or_config)
+        guards.refuse_broken_kernels(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
     indexers.patch_indexers(config.model_type)

@@ -7,13 +7,16 @@ document ids in its mask nor `position_ids` comes from a collator that knows not
 train_dataset=pack_dataset(...))` with stock defaults collates each packed row with an all-ones mask, so its
 documents attend to each other). That batch is refused before any layer runs. Evaluation, generation and
 `verify_packing` (no gradients, or eval mode) are never refused.
+
+A training forward on a kernel measured to compute packed gradients wrongly is refused the same way: FlashAttention
+4's varlen backward below head dim 32 (see `refuse_broken_kernels`).
 """
 
 import inspect
 
 import torch
 
-from ..errors import ContaminationError
+from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
 from .documents import documents_of
 from .masks import is_integer_mask
@@ -22,6 +25,42 @@ from .masks import is_integer_mask
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
     """Add the check to `model` (idempotent; removed by `unconfigure_packing`)."""
     registry.add_forward_pre_hook(input_module(model), "training batches", _refuse_batch_without_documents)
+
+
+def refuse_broken_kernels(model: torch.nn.Module) -> None:
+    """Refuse, before any layer runs, a CUDA training forward whose FlashAttention 4 varlen backward is wrong: head
+    dims below 32. Measured with flash-attn-4 4.0.0b36 on an H200 (`benchmarks/gpu_fa4_backward.py`, results in
+    benchmarks/results/gpu-2026-11-27-h200/): at head dim 16 its varlen backward's dq, dk and dv were 0.7-1.4
+    (relative) away from float32 attention while the forward and the unpacked `flash_attn_func` were right; at 32 and
+    64 both were right. Packed rows always take the varlen kernel, so their gradients would be wrong. Idempotent."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "flash_attention_4" and _head_dim(config) < 32:
+        registry.add_forward_pre_hook(input_module(model), "broken kernels", _refuse_small_flash_attention_4_heads)
+
+
+def _head_dim(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    heads = getattr(text, "num_attention_heads", None)
+    return head_dim or (text.hidden_size // heads if heads else 1 << 30)
+
+
+def _refuse_small_flash_attention_4_heads(module, args, kwargs):
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    tensor = input_ids if isinstance(input_ids, torch.Tensor) else kwargs.get("inputs_embeds")
+    if _on_cuda(tensor):
+        raise UnsupportedSetupError(
+            f"attn_implementation='flash_attention_4' with head_dim {_head_dim(module.config)}: FlashAttention 4's "
+            "varlen backward computes wrong gradients below head dim 32 on CUDA (measured with flash-attn-4 "
+            "4.0.0b36: dq, dk and dv 0.7-1.4 off at head dim 16; forward and head dims 32-64 right), and packed rows "
+            "always take it. Train this model with `attn_implementation='sdpa'` (or 'flash_attention_2'/'_3')."
+        )
+
+
+def _on_cuda(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda
 
 
 def input_module(model: torch.nn.Module) -> torch.nn.Module:
