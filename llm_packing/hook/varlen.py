@@ -30,9 +30,9 @@ from .documents import bucket_bounds, documents_of
 
 ROUTES = ("auto", "varlen", "dense")
 # `attention_route="auto"` on CUDA: the dense route for rows up to this length. Measured on an H200 (torch 2.11, bf16,
-# a 0.5B config, rows of 2,048 tokens; docs/performance.md): the dense route trained 1.6-1.9x TRL's packing and 2.8x
-# the varlen route, while an L x L mask stays small. Longer rows keep the varlen route, whose memory is linear in
-# tokens; `benchmarks/gpu_check.py` measures the crossover at 4,096 and 16,384.
+# 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 1.95x the varlen route on a 0.5B shape and
+# 0.83x on a 1.5B shape; at 16,384 the varlen route trained 1.49x the dense route (0.5B). Those varlen figures are
+# from torch's `varlen_attn` (cuDNN there), which the route no longer calls: `benchmarks/gpu_check.py` re-measures.
 DENSE_ON_CUDA_UP_TO = 4096
 
 
