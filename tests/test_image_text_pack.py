@@ -136,8 +136,6 @@ def test_bad_input_is_refused_before_packing(tmp_path):
     text_and_images = datasets.Dataset.from_dict({"text": ["hi"], "images": [[photo_bytes(0, (56, 56))]]})
     with pytest.raises(PackingValueError, match=r"has no 'messages' column"):
         pack_dataset(text_and_images, 200, processor=processor)
-    with pytest.raises(PackingValueError, match=r"Streaming image-text datasets are not packed yet"):
-        pack_dataset(dataset([conversation(0)]).to_iterable_dataset(), 200, processor=processor)
     with pytest.raises(PackingValueError, match=r"image-text conversations are not repacked per epoch yet"):
         PackedDatasetEpochs(dataset([conversation(0)]), 200)
 

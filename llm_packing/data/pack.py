@@ -109,7 +109,8 @@ def pack_dataset(
         load_from_cache_file (`bool`, *optional*):
             Load an existing cache file instead of packing again; defaults to `datasets.is_caching_enabled()`.
         buffer_size (`int`, *optional*, defaults to `10000`):
-            Streaming only: sequences packed together; see [`~llm_packing.data.streaming.pack_iterable_dataset`].
+            Streaming only: sequences packed together; see [`~llm_packing.data.streaming.pack_iterable_dataset`]
+            (and [`~llm_packing.data.streaming_image_text.pack_image_text_stream`] for image-text conversations).
         num_proc (`int`, *optional*):
             Processes that gather and write the packed rows of a split written to a cache file, each a contiguous
             share of the rows into a shard file named as `Dataset.map(num_proc=...)` names them; the plan is made
@@ -129,8 +130,8 @@ def pack_dataset(
     Image-text conversations come out as rows of `messages` (the row's conversations), `images` (each one's images,
     as the dataset holds them: never decoded here), `seq_lengths`, `seq_starts` (where each document starts in its
     conversation: 0 unless `overflow` cut it) and `conversation_lengths` (the planned tokens of each whole
-    conversation). `overflow` never cuts inside an image's tokens: see `pack_image_text.py`. Streaming image-text
-    datasets are not supported.
+    conversation). `overflow` never cuts inside an image's tokens: see `pack_image_text.py`. A streamed one is
+    planned as it is read and packed a buffer at a time, into the same columns (see `streaming_image_text.py`).
 
     Returns:
         The packed dataset (same container type), or `(packed, stats)` with `return_stats=True`. Columns, all
@@ -156,24 +157,13 @@ def pack_dataset(
     check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
     options = {"strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        if any(is_image_text(ds) for ds in (dataset.values() if isinstance(dataset, dict) else [dataset])):
-            raise PackingValueError(
-                "Streaming image-text datasets are not packed yet: their token counts are planned over the whole "
-                "split. Load the dataset map-style (`streaming=False`), or pack a map-style part of it."
-            )
         if return_stats:
             raise PackingValueError(
                 "`return_stats=True` needs a map-style dataset, got a streaming one: its stats are only known once it "
                 "has been iterated, and are logged on the `llm_packing` logger then. Drop `return_stats`."
             )
-        from .streaming import pack_iterable_dataset
-
-        options.update(overflow=overflow, buffer_size=buffer_size, return_position_ids=return_position_ids)
-        if isinstance(dataset, datasets.IterableDatasetDict):
-            return record_packing(datasets.IterableDatasetDict(
-                {split: pack_iterable_dataset(ds, max_length, **options) for split, ds in dataset.items()}
-            ), max_length)
-        return record_packing(pack_iterable_dataset(dataset, max_length, **options), max_length)
+        options.update(overflow=overflow, buffer_size=buffer_size)
+        return _pack_streams(dataset, max_length, options, return_position_ids, processor, chat_template)
     options["return_position_ids"] = return_position_ids
     image_text = {"processor": processor, "chat_template": chat_template}
     storage = {"keep_in_memory": keep_in_memory, "cache_file_name": cache_file_name,
@@ -203,6 +193,23 @@ def pack_dataset(
             f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
         )
     return (result, stats) if return_stats else result
+
+
+def _pack_streams(dataset, max_length, options, return_position_ids, processor, chat_template):
+    """A stream (or each split of a stream dict) packed lazily: image-text conversations or tokenized text."""
+    from .streaming import pack_iterable_dataset
+    from .streaming_image_text import is_image_text_stream, pack_image_text_stream
+
+    def pack_stream(stream):
+        if is_image_text_stream(stream, processor):
+            return pack_image_text_stream(stream, max_length, processor=processor, chat_template=chat_template,
+                                          **options)
+        return pack_iterable_dataset(stream, max_length, return_position_ids=return_position_ids, **options)
+
+    if isinstance(dataset, datasets.IterableDatasetDict):
+        return record_packing(datasets.IterableDatasetDict(
+            {split: pack_stream(stream) for split, stream in dataset.items()}), max_length)
+    return record_packing(pack_stream(dataset), max_length)
 
 
 def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None, image_text=None):

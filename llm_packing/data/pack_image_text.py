@@ -28,7 +28,8 @@ from ._io.packed_cache import PackedWriter, destination, load_cached
 from .image_text import ConversationPlanner
 
 
-__all__ = ["IMAGE_COLUMNS", "is_image_text", "pack_image_text_split", "plan_conversations"]
+__all__ = ["IMAGE_COLUMNS", "conversation_pieces", "is_image_text", "pack_image_text_split", "packed_features",
+           "plan_conversations", "require_processor"]
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's: a dataset is a vision dataset if its rows have either
 _ROWS_PER_CHUNK = 1000  # packed rows gathered and written at a time: a chunk's image bytes, not the corpus's, in RAM
@@ -51,7 +52,7 @@ def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: s
     `Dataset.map` over the Arrow rows (cached like any map, `num_proc` processes): images are read as stored, never
     decoded.
     """
-    _check_format(dataset)
+    check_format(dataset)
     images = image_column(dataset)
     single = images == "image"
     planner = ConversationPlanner(processor, chat_template)
@@ -73,14 +74,9 @@ def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: s
 def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: OverflowPolicy, options: dict,
                           storage: dict, *, processor, chat_template: str | None = None, num_proc: int | None = None):
     """One split of image-text conversations packed (or loaded from the cache): `(packed, stats)`."""
-    if processor is None:
-        raise PackingValueError(
-            f"`dataset` holds images (column {image_column(dataset)!r}), so packing it needs the token count of each "
-            "conversation once the processor has expanded its image placeholders. Pass the processor you train with: "
-            "`pack_dataset(dataset, max_length, processor=processor)`."
-        )
+    require_processor(dataset, processor)
     tokens, images_end = plan_conversations(dataset, processor, chat_template=chat_template, num_proc=num_proc)
-    pieces = _pieces(tokens, images_end, max_length, overflow)
+    pieces = conversation_pieces(tokens, images_end, max_length, overflow)
     plan_fingerprint = Hasher.hash((tokens.tobytes(), images_end.tobytes()))
     target = destination(dataset, dict(max_length=max_length, overflow=overflow, plan=plan_fingerprint, **options),
                          **storage)
@@ -92,7 +88,7 @@ def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: 
     stats = dataclasses.replace(plan.stats, **pieces.counts())
     images = image_column(dataset)
     table = dataset.with_format("arrow")
-    features = _packed_features(dataset, images)
+    features = packed_features(dataset, images)
     writer = PackedWriter(target, features.arrow_schema, stats)
     try:
         for first in range(0, plan.num_bins, _ROWS_PER_CHUNK):
@@ -105,7 +101,17 @@ def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: 
     return writer.finish(dataset.split), stats
 
 
-def _check_format(dataset) -> None:
+def require_processor(dataset, processor) -> None:
+    """Refuse to pack image-text `dataset` without the processor that gives its token counts."""
+    if processor is None:
+        raise PackingValueError(
+            f"`dataset` holds images (column {image_column(dataset)!r}), so packing it needs the token count of each "
+            "conversation once the processor has expanded its image placeholders. Pass the processor you train with: "
+            "`pack_dataset(dataset, max_length, processor=processor)`."
+        )
+
+
+def check_format(dataset) -> None:
     if "messages" not in dataset.column_names:
         raise PackingValueError(
             f"`dataset` holds images (column {image_column(dataset)!r}) but has no 'messages' column (columns: "
@@ -114,28 +120,33 @@ def _check_format(dataset) -> None:
         )
 
 
-def _pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: int, overflow: OverflowPolicy):
+def conversation_pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: int, overflow: OverflowPolicy,
+                        first_row: int = 0):
+    """The documents packed from conversations of `tokens` (images ending at `images_end`), per `overflow`, never cut
+    inside an image; rows are counted from `first_row` in errors."""
     too_long = np.flatnonzero(tokens > max_length)
     if len(too_long) and overflow == "error":
-        row = int(too_long[np.argmax(tokens[too_long])])
+        index = int(too_long[np.argmax(tokens[too_long])])
+        row, count = first_row + index, tokens[index]
         raise SequenceTooLongError(
             f"{len(too_long)} conversation(s) are longer than `max_length`={max_length} once their image placeholders "
-            f"are expanded; the longest has {tokens[row]} tokens (row {row}). Raise `max_length` to at least "
-            f"{tokens[row]}, use fewer or smaller images, or pass `overflow='drop'` (left out and counted), "
+            f"are expanded; the longest has {count} tokens (row {row}). Raise `max_length` to at least "
+            f"{count}, use fewer or smaller images, or pass `overflow='drop'` (left out and counted), "
             "'truncate' or 'split' (cut at `max_length`, where that cuts no image)."
         )
     if overflow in ("truncate", "split"):
         uncuttable = too_long[images_end[too_long] > max_length]
         if len(uncuttable):
-            row = int(uncuttable[0])
+            index = int(uncuttable[0])
+            row, count, end = first_row + index, tokens[index], images_end[index]
             raise SequenceTooLongError(
-                f"`overflow`={overflow!r} would cut inside an image: row {row} has {tokens[row]} tokens with its "
-                f"image placeholders expanded, and its last image ends at token {images_end[row]}, past `max_length`="
+                f"`overflow`={overflow!r} would cut inside an image: row {row} has {count} tokens with its "
+                f"image placeholders expanded, and its last image ends at token {end}, past `max_length`="
                 f"{max_length} ({len(uncuttable)} such row(s)). A cut inside an image's tokens, or one that separates "
-                f"the images of a conversation, is never made. Raise `max_length` to at least {images_end[row]}, use "
+                f"the images of a conversation, is never made. Raise `max_length` to at least {end}, use "
                 "fewer or smaller images in those rows, or pass `overflow='drop'`."
             )
-    return cut_pieces(tokens, max_length, overflow)
+    return cut_pieces(tokens, max_length, overflow, first_row=first_row)
 
 
 def _undecoded(feature):
@@ -148,7 +159,7 @@ def _undecoded(feature):
     return feature
 
 
-def _packed_features(dataset: datasets.Dataset, images: str) -> datasets.Features:
+def packed_features(dataset, images: str) -> datasets.Features:
     image = _undecoded(dataset.features[images])
     per_document = image if images == "images" else datasets.List(image)
     lengths = datasets.List(datasets.Value("int32"))

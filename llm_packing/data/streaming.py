@@ -29,6 +29,7 @@ from ..core.rows import (
 )
 from ..core.stats import PackingStats
 from ..errors import PackingValueError
+from .pack_image_text import IMAGE_COLUMNS
 
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,13 @@ def _row(documents: list[tuple[np.ndarray, np.ndarray]], options: dict) -> dict[
 
 
 def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
+    images = next((name for name in IMAGE_COLUMNS if name in example), None)
+    if "input_ids" not in example and images is not None:
+        raise PackingValueError(
+            f"Example {row} of the stream holds images (key {images!r}) and no 'input_ids', so packing it needs the "
+            "token count of each conversation once the processor has expanded its image placeholders, and `processor` "
+            "is None. Pass the processor you train with: `pack_dataset(dataset, max_length, processor=processor)`."
+        )
     if "input_ids" not in example:
         raise PackingValueError(
             f"Example {row} has no 'input_ids' (keys: {sorted(example)}). Tokenize the stream first, e.g. "
