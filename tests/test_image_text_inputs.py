@@ -1,7 +1,7 @@
 """The packed image-text batch (`llm_packing.batches.image_text`), and bad image-text input refused before any layer
 runs: an image whose placeholders do not match its grid or feature count, media that do not match the placeholders
-of the rows, media the hook does not pack (video, an unproven type or backend), inputs an mRoPE or prefix-LM model
-needs to tell documents apart."""
+of the rows, media the hook does not pack (video of an unproven type, an unproven type or backend), inputs an mRoPE
+or prefix-LM model needs to tell documents apart."""
 
 import dataclasses
 
@@ -143,9 +143,16 @@ def test_placeholders_without_media_are_refused_for_a_type_counted_by_transforme
                              pixel_values=None, image_sizes=None)
 
 
-def test_video_is_refused():
+def test_videos_of_a_type_the_video_matrix_did_not_prove_are_refused():
+    case = make_case("glm4v", "sdpa")
+    refused_before_any_layer(case, UnsupportedSetupError, "pixel_values_videos.*not in the video parity matrix",
+                             pixel_values_videos=torch.zeros(4, 1176), video_grid_thw=torch.tensor([[1, 2, 2]]))
+
+
+def test_videos_without_their_placeholders_are_refused():
+    """Video media in a batch whose `input_ids` hold no video placeholders (tests/test_video_parity.py packs them)."""
     case = make_case("qwen2_5_vl", "sdpa")
-    refused_before_any_layer(case, UnsupportedSetupError, "pixel_values_videos.*not video",
+    refused_before_any_layer(case, PackingValueError, "videos have 1 features .* hold 0 video placeholder tokens",
                              pixel_values_videos=torch.zeros(4, 1176), video_grid_thw=torch.tensor([[1, 2, 2]]))
 
 

@@ -46,12 +46,15 @@ class MediaLayout:
             column `cross_attention_mask` `(batch, length, images, tiles)` says which slots each token sees (Mllama).
         required_columns (`tuple[str, ...]`): token columns every document must bring; any other missing column is
             0 (text) in the packed batch.
+        same_shape (`tuple[str, ...]`): media keys the model reads at their full shape (LLaVA-OneVision's
+            `pixel_values_videos` `(videos, frames, ...)`: a padded frame would be a frame); documents must agree.
     """
 
     axis: dict[str, int] = field(default_factory=dict)
     pad_values: dict[str, float] = field(default_factory=dict)
     slots_per_row: bool = False
     required_columns: tuple[str, ...] = ()
+    same_shape: tuple[str, ...] = ()
 
 
 _IMAGES_ON_AXIS_1 = MediaLayout(axis={"pixel_values": 1, "pixel_attention_mask": 1})
@@ -65,6 +68,8 @@ MEDIA_LAYOUTS: dict[str, MediaLayout] = {
     # Patch positions of padding patches are -1 (the processor pads each image to `max_patches` this way).
     "gemma4": MediaLayout(pad_values={"image_position_ids": -1}),
     "mllama": MediaLayout(slots_per_row=True),
+    # Every frame of a video gives tokens, so videos of one batch must have as many frames (and the same size).
+    "llava_onevision": MediaLayout(same_shape=("pixel_values_videos",)),
     # 0 is prefix (image and prompt, attended both ways), 1 suffix: no value is right for a document without them.
     "paligemma": MediaLayout(required_columns=("token_type_ids",)),
 }
@@ -166,6 +171,8 @@ def pack_image_text_documents(
         **columns,
     }
     for key, values in media.items():
+        if key in layout.same_shape:
+            _check_same_shape(key, values, model_type)
         batch[key] = _concatenate(values, layout.axis.get(key, 0), layout.pad_values.get(key, 0))
     if layout.slots_per_row:
         batch.update(_images_in_row_slots(documents, spans, row_length))
@@ -239,6 +246,17 @@ def _as_document(document: Mapping, index: int) -> dict[str, torch.Tensor]:
             "without padding. Process each conversation on its own, without `padding`."
         )
     return out
+
+
+def _check_same_shape(key: str, values: list[torch.Tensor], model_type: str) -> None:
+    shapes = sorted({tuple(value.shape[1:]) for value in values})
+    if len(shapes) > 1:
+        raise PackingValueError(
+            f"The documents' `{key}` have shapes {shapes} (after the first axis); {model_type} reads every frame of "
+            "a packed batch's videos at one shape, so padding would add frames. Sample the same number of frames "
+            "from every video (the video processor's `num_frames`, `do_sample_frames=True`), or put the videos of "
+            "different lengths in different batches."
+        )
 
 
 def _concatenate(values: list[torch.Tensor], axis: int, pad_value: float) -> torch.Tensor:

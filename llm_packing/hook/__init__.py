@@ -9,8 +9,8 @@ every backend, and `unconfigure_packing()` undoes it.
 - `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
 - `multimodal`: media inputs in packed batches: images of the proven image-text types prepared by `image_text`
-  (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, Mllama's
-  cross-attention bounded in `cross_attention`), all other media refused;
+  (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, videos of the proven
+  video types in `video`, Mllama's cross-attention bounded in `cross_attention`), all other media refused;
 - `mask_functions`: mask builder calls with image mask functions (bidirectional image blocks) bounded by the document;
 - `verify`: `verify_packing`, the behavioural check (its limits, calibrated on the model's own noise, in
   `verify_limits`; with images: `verify_images`);

@@ -2,9 +2,10 @@
 
 One forward pre-hook on the model's base (the module its conditional-generation class calls with every input, under
 PEFT too) prepares each packed batch before any layer runs:
-- media on a backend the matrix did not prove, video and audio (not packed yet) are refused;
-- each image must land in one document, and the images must fill the batch's placeholders exactly
-  (`hook.placeholders`), else the batch is refused with the row and column to look at;
+- media on a backend the matrix did not prove, videos of a type the video matrix did not prove (`hook.video`) and
+  audio are refused;
+- each image and video must land in one document, and they must fill the batch's placeholders exactly
+  (`hook.placeholders`, `hook.video`), else the batch is refused with the row and column to look at;
 - an mRoPE model gets its per-document 3-D positions (`hook.mrope`) when the batch carries 2-D `position_ids` or
   none; a `(4, batch, length)` tensor (text row + 3-D, the layout transformers reads) passes through.
 Bidirectional image blocks are bounded by the document in the mask builders (`hook.mask_functions`), Mllama's
@@ -14,11 +15,10 @@ documents (`hook.documents`), so concurrent forwards on several threads keep the
 
 import functools
 
-import numpy as np
 import torch
 
-from ..errors import PackingValueError, UnsupportedSetupError
-from . import cross_attention, registry
+from ..errors import PackingValueError
+from . import cross_attention, registry, video
 from .builders import check_documents
 from .documents import documents_of
 from .guards import input_module
@@ -28,9 +28,9 @@ from .placeholders import documents_of_images, placeholder_mask
 from .support.image_text import require_images_supported
 
 
-# Media argument names of a forward; those naming video or audio are refused in a packed batch.
-_MEDIA_WORDS = ("pixel", "image", "video", "audio", "input_features", "cross_attention", "aspect_ratio")
-_NOT_PACKED_WORDS = ("video", "audio", "input_features")
+# Media argument names of a forward (`second_per_grid_ts`: Qwen2.5-VL's seconds per temporal patch of each video).
+_MEDIA_WORDS = ("pixel", "image", "video", "audio", "input_features", "cross_attention", "aspect_ratio",
+                "second_per_grid")
 
 
 def install(model: torch.nn.Module) -> None:
@@ -80,13 +80,14 @@ def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, med
     given = {name: kwargs[name] for name in media if isinstance(kwargs.get(name), (torch.Tensor, list, tuple))}
     if given:
         require_images_supported(model_type, config._attn_implementation)
-        _refuse_media_not_packed(given)
+        video.refuse_media_not_packed(model_type, config._attn_implementation, given)
+    videos = {name: value for name, value in given.items() if video.is_video_argument(name)}
+    images = {name: value for name, value in given.items() if name not in videos}
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     type_ids = kwargs.get("mm_token_type_ids")
-    owners = None
+    owners = video_owners = None
     if isinstance(input_ids, torch.Tensor):
-        placeholders = placeholder_mask(config, input_ids, type_ids).cpu().numpy()
-        owners = documents_of_images(model_type, config, documents, placeholders, given)
+        owners, video_owners = _media_owners(model_type, config, documents, input_ids, type_ids, images, videos)
     elif given:
         raise PackingValueError(
             f"A packed batch with media {sorted(given)} came without `input_ids` (only `inputs_embeds`?): which "
@@ -100,32 +101,27 @@ def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, med
             "pass the 2-D per-document positions (DataCollatorWithPacking's), from which the hook computes each "
             "document's 3-D positions, or the (4, batch_size, length) layout (text row, then the 3-D rows)."
         )
-    grids = _grids_per_document(given.get("image_grid_thw"), owners, len(documents.starts))
-    if grids is not None and type_ids is None:
+    n_documents = len(documents.starts)
+    grids = video.per_document(images.get("image_grid_thw"), owners, n_documents)
+    video_grids = video.per_document(videos.get("video_grid_thw"), video_owners, n_documents)
+    if (grids is not None or video_grids is not None) and type_ids is None:
         raise PackingValueError(
-            f"A packed batch of model_type {model_type!r} with images needs `mm_token_type_ids` (its processor "
-            "returns them) to give image tokens their 3-D positions. Pass the processor's `mm_token_type_ids`."
+            f"A packed batch of model_type {model_type!r} with images or videos needs `mm_token_type_ids` (its "
+            "processor returns them) to give their tokens 3-D positions. Pass the processor's `mm_token_type_ids`."
         )
     kwargs["position_ids"] = packed_mrope_position_ids(
-        rope, input_ids, attention_mask, documents, type_ids, image_grids=grids
+        rope, input_ids, attention_mask, documents, type_ids, image_grids=grids, video_grids=video_grids,
+        video_seconds=video.per_document(videos.get("second_per_grid_ts"), video_owners, n_documents),
     )
     return args, kwargs
 
 
-def _refuse_media_not_packed(given: dict) -> None:
-    refused = sorted(name for name in given if any(word in name for word in _NOT_PACKED_WORDS))
-    if refused:
-        raise UnsupportedSetupError(
-            f"A packed batch carries {', '.join(refused)}: llm_packing packs images with their documents, not video "
-            "or audio yet. Pack the rows holding video or audio without packing, or leave those media out."
-        )
+def _media_owners(model_type, config, documents, input_ids, type_ids, images, videos):
+    """The document of each image unit (None for a type without `IMAGE_UNITS`) and of each video, checked."""
+    placeholders = placeholder_mask(config, input_ids, type_ids).cpu().numpy()
+    owners = documents_of_images(model_type, config, documents, placeholders, images)
+    if model_type not in video.VIDEO_TYPES:
+        return owners, None
+    video_placeholders = video.video_placeholder_mask(config, input_ids, type_ids).cpu().numpy()
+    return owners, video.documents_of_videos(model_type, config, documents, video_placeholders, videos)
 
-
-def _grids_per_document(image_grid_thw, owners, n_documents: int):
-    """Per document (order of the forward's documents), its rows of `image_grid_thw`, or None without images."""
-    if image_grid_thw is None or owners is None or not len(owners):
-        return None
-    grids: list[torch.Tensor | None] = [None] * n_documents
-    for document in np.unique(owners):
-        grids[int(document)] = image_grid_thw[torch.from_numpy(np.flatnonzero(owners == document))]
-    return grids

@@ -4,9 +4,9 @@ packed with their documents (`hook.image_text`); every other model refuses media
 `AutoModelForCausalLM` builds some multimodal checkpoints as the whole wrapper (`gemma3` gives
 `Gemma3ForConditionalGeneration`, config `gemma3`) and others as the bare language model (`mllama` gives
 `MllamaForCausalLM`, whose config is the text config `mllama_text_model`). Text-only batches of both go through the
-same mask builders as any decoder, so the hook isolates them. Images, video or audio in a packed row of a type not
-proven with them (`llm_packing.hook.support.image_text`), or video and audio of any type, would need positions and
-masks the hook does not build, so a packed forward carrying them is refused.
+same mask builders as any decoder, so the hook isolates them. Images or video in a packed row of a type not proven
+with them (`llm_packing.hook.support.image_text`, `llm_packing.hook.video`), or audio of any type, would need
+positions and masks the hook does not build, so a packed forward carrying them is refused.
 """
 
 import functools

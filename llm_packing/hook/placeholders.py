@@ -107,22 +107,13 @@ def documents_of_images(
 
     Raises [`~llm_packing.errors.PackingValueError`] naming the unit, its token count and the documents it touches.
     """
-    positions = np.flatnonzero(placeholders.reshape(-1))
-    ids = documents.ids.reshape(-1)
-    length = placeholders.shape[-1]
-    in_padding = positions[ids[positions] == 0]
-    if len(in_padding):
-        row, column = divmod(int(in_padding[0]), length)
-        raise PackingValueError(
-            f"Image placeholder tokens sit in padding of the packed batch (row {row}, column {column}, "
-            f"{len(in_padding)} in all): the processor outputs and the rows do not match. Build the batch with "
-            "`llm_packing.batches.image_text.pack_image_text_documents`."
-        )
     units = IMAGE_UNITS.get(model_type)
     if units is None:
-        if bool(media) != bool(len(positions)):
+        _check_placeholders_in_documents(placeholders, documents, "Image")
+        found = int(placeholders.sum())
+        if bool(media) != bool(found):
             raise PackingValueError(
-                f"The packed batch holds {len(positions)} image placeholder tokens but "
+                f"The packed batch holds {found} image placeholder tokens but "
                 f"{'media ' + str(sorted(media)) if media else 'no media'}: every document's placeholders need its "
                 "images and every image its placeholders. Pass each document's whole processor output."
             )
@@ -134,11 +125,47 @@ def documents_of_images(
             f"A packed batch for model_type {model_type!r} carries media {sorted(media)} without "
             f"`{missing.args[0]}`, which its processor returns with them. Pass each document's whole processor output."
         ) from None
+    return unit_owners(counts, placeholders, documents, "Image")
+
+
+def _check_placeholders_in_documents(placeholders: np.ndarray, documents: ForwardDocuments, kind: str) -> np.ndarray:
+    """The flat positions of the placeholders, after checking that none sits in padding."""
+    positions = np.flatnonzero(placeholders.reshape(-1))
+    in_padding = positions[documents.ids.reshape(-1)[positions] == 0]
+    if len(in_padding):
+        row, column = divmod(int(in_padding[0]), placeholders.shape[-1])
+        raise PackingValueError(
+            f"{kind} placeholder tokens sit in padding of the packed batch (row {row}, column {column}, "
+            f"{len(in_padding)} in all): the processor outputs and the rows do not match. Build the batch with "
+            "`llm_packing.batches.image_text.pack_image_text_documents`."
+        )
+    return positions
+
+
+def unit_owners(counts: np.ndarray, placeholders: np.ndarray, documents: ForwardDocuments, kind: str) -> np.ndarray:
+    """
+    The index (in the order of `documents.starts`) of the document each unit (image, tile or video: `kind`) lands in,
+    its `counts[i]` placeholders being the next ones of the batch in packed order, after checking that none sits in
+    padding, that every unit's placeholders lie in one document and that the counts fill the placeholders exactly.
+
+    Example:
+    ```python
+    >>> import numpy as np, torch
+    >>> from llm_packing.hook.documents import documents_of
+    >>> documents = documents_of(torch.tensor([[1, 1, 1, 2, 2, 2, 0]]))
+    >>> unit_owners(np.array([2, 1]), np.array([[0, 1, 1, 0, 1, 0, 0]], dtype=bool), documents, "Video")
+    array([0, 1])
+
+    ```
+    """
+    positions = _check_placeholders_in_documents(placeholders, documents, kind)
+    length = placeholders.shape[-1]
+    noun = kind.lower()
     if counts.sum() != len(positions):
         raise PackingValueError(
-            f"The packed batch's images have {int(counts.sum())} features ({len(counts)} images or tiles: "
-            f"{counts.tolist()}) but its `input_ids` hold {len(positions)} image placeholder tokens: a processor "
-            "output whose media do not match its placeholders (truncated `input_ids`? media of another document?). "
+            f"The packed batch's {noun}s have {int(counts.sum())} features ({len(counts)} {noun}s or tiles: "
+            f"{counts.tolist()}) but its `input_ids` hold {len(positions)} {noun} placeholder tokens: a processor "
+            f"output whose media do not match its placeholders (truncated `input_ids`? media of another document?). "
             "Pass each document's whole processor output, truncated nowhere."
         )
     document = np.searchsorted(documents.starts, positions, side="right") - 1
@@ -150,9 +177,9 @@ def documents_of_images(
         unit = int(straddling[0])
         row, column = divmod(int(positions[firsts[unit]]), length)
         raise PackingValueError(
-            f"Image {unit} (packed order) has {int(counts[unit])} features, but its placeholder tokens run from row "
-            f"{row}, column {column} into the next document: an image whose placeholder count does not match its "
-            "grid or feature count shifts every later image into another document. Check the processor output of "
-            "the documents of that row (their `input_ids` and their media)."
+            f"{kind} {unit} (packed order) has {int(counts[unit])} features, but its placeholder tokens run from row "
+            f"{row}, column {column} into the next document: a {noun} whose placeholder count does not match its "
+            f"grid or feature count shifts every later {noun} into another document. Check the processor output of "
+            f"the documents of that row (their `input_ids` and their media)."
         )
     return owners

@@ -1,0 +1,139 @@
+"""Videos in packed batches: which types pack them, how many placeholder tokens each video fills, and in which
+document each lands.
+
+A video is packed the way an image is: its features fill its placeholder tokens in packed order, so each video's
+placeholders must lie in one document and the videos must fill the batch's video placeholders exactly
+(`placeholders.unit_owners`). mRoPE models also give video tokens temporal positions, which `hook.mrope` computes per
+document from that document's own `video_grid_thw` (and Qwen2.5-VL's `second_per_grid_ts`, the seconds one temporal
+patch spans). `VIDEO_TYPES` are the types `tests/test_video_parity.py` proved on `VIDEO_BACKENDS`: rows of 2 to 4
+documents with 0 to 2 videos and images each give every document its logits alone within 1e-5 (float32). Video of
+any other type, and audio of every type, is refused.
+"""
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..errors import PackingValueError, UnsupportedSetupError
+from .documents import ForwardDocuments
+from .placeholders import unit_owners
+
+
+MROPE_VIDEO = "mRoPE: 3-D positions with temporal steps per document"
+VIDEO_TOKENS = "video tokens: text isolation, frames in packed order"
+VIDEO_BACKENDS = ("eager", "sdpa")
+
+# model_type -> how its documents' videos are kept apart. Proven by tests/test_video_parity.py (CPU, float32,
+# tolerance 1e-5); edit only together with a passing matrix.
+VIDEO_TYPES: dict[str, str] = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), MROPE_VIDEO),
+    "llava_onevision": VIDEO_TOKENS,
+}
+
+# Forward arguments that carry one value per video, in packed order.
+VIDEO_ARGUMENTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_NOT_PACKED_WORDS = ("audio", "input_features")
+
+
+def _grids(config, media) -> list[int]:
+    """mRoPE models: `t * h * w / merge_size**2` tokens per `video_grid_thw` row."""
+    return (media["video_grid_thw"].prod(-1) // config.vision_config.spatial_merge_size**2).tolist()
+
+
+def _pooled_frames(config, media) -> list[int]:
+    """LLaVA-OneVision: each frame's patches pooled 2 x 2 (rounding up), plus one newline token per video."""
+    side = math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2)
+    videos, frames = media["pixel_values_videos"].shape[:2]
+    return [frames * side * side + 1] * videos
+
+
+# model_type -> the placeholder tokens of each video, in packed order, from (config, media kwargs).
+VIDEO_UNITS: dict[str, Callable[..., list[int]]] = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), _grids),
+    "llava_onevision": _pooled_frames,
+}
+
+
+def is_video_argument(name: str) -> bool:
+    return "video" in name or name == "second_per_grid_ts"
+
+
+def refuse_media_not_packed(model_type: str, backend: str | None, given: dict) -> None:
+    """Raise [`UnsupportedSetupError`] for audio in a packed batch, and for videos of a type or on a backend the video
+    parity matrix did not prove."""
+    audio = sorted(name for name in given if any(word in name for word in _NOT_PACKED_WORDS))
+    if audio:
+        raise UnsupportedSetupError(
+            f"A packed batch carries {', '.join(audio)}: llm_packing packs images and videos with their documents, "
+            "not audio. Pack the rows holding audio without packing, or leave the audio out."
+        )
+    videos = sorted(name for name in given if is_video_argument(name))
+    if not videos:
+        return
+    if model_type not in VIDEO_TYPES:
+        raise UnsupportedSetupError(
+            f"A packed batch of model_type {model_type!r} carries {', '.join(videos)}: its videos are not in the "
+            f"video parity matrix. Types packed with their videos: {', '.join(sorted(VIDEO_TYPES))}. Train this "
+            "model's video rows unpacked, or leave the videos out."
+        )
+    if backend not in VIDEO_BACKENDS:
+        raise UnsupportedSetupError(
+            f"A packed batch of model_type {model_type!r} carries videos on attn_implementation={backend!r}: the "
+            f"video parity matrix proved {', '.join(VIDEO_BACKENDS)}. Use `configure_packing(model, "
+            "attn_implementation='sdpa')`, or train the video rows unpacked."
+        )
+
+
+def video_token_id(config) -> int | None:
+    """The placeholder token id of a video, under whichever name the config keeps it."""
+    for part in (config, getattr(config, "text_config", None)):
+        for name in ("video_token_id", "video_token_index"):
+            value = getattr(part, name, None)
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def video_placeholder_mask(config, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None) -> torch.Tensor:
+    """Where the video placeholders of a batch are: `mm_token_type_ids == 2` where the processor gives the column,
+    else the config's video token."""
+    if mm_token_type_ids is not None:
+        return mm_token_type_ids == 2
+    token = video_token_id(config)
+    return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+
+
+def documents_of_videos(
+    model_type: str, config, documents: ForwardDocuments, placeholders: np.ndarray, media: dict
+) -> np.ndarray:
+    """
+    The index (in the order of `documents.starts`) of the document each video of the batch lands in, after checking
+    that its placeholders lie in that one document and that the videos fill the batch's video placeholders exactly.
+
+    Raises [`~llm_packing.errors.PackingValueError`] naming the video, its token count and where it runs over.
+    """
+    if not media and not placeholders.any():
+        return np.zeros(0, dtype=np.int64)
+    try:
+        counts = VIDEO_UNITS[model_type](config, media) if media else []
+    except KeyError as missing:
+        raise PackingValueError(
+            f"A packed batch for model_type {model_type!r} carries {sorted(media)} without `{missing.args[0]}`, "
+            "which its processor returns with its videos. Pass each document's whole processor output."
+        ) from None
+    return unit_owners(np.asarray(counts, dtype=np.int64), placeholders, documents, "Video")
+
+
+def per_document(values, owners: np.ndarray | None, n_documents: int) -> list | None:
+    """Per document (order of the forward's documents), its rows of `values` (one row per image unit or video, packed
+    order; `owners` their documents), or None without units; the mRoPE inputs of `hook.mrope`."""
+    if values is None or owners is None or not len(owners):
+        return None
+    if not isinstance(values, torch.Tensor):
+        values = torch.as_tensor(values)
+    rows: list[torch.Tensor | None] = [None] * n_documents
+    for document in np.unique(owners):
+        rows[int(document)] = values[torch.from_numpy(np.flatnonzero(owners == document))]
+    return rows
