@@ -21,6 +21,7 @@ import torch
 from .. import _compat
 from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from . import chunked, mask_functions, registry, varlen
+from .cache import use_cache_fix
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
 
@@ -71,8 +72,7 @@ def _wrap_builder(original):
             raise ContaminationError(
                 "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
                 f"(`use_cache=True`, model_type {getattr(config, 'model_type', '?')!r}): the cache would mix the "
-                "documents. Pass `use_cache=False` (Trainer does this for you) or set "
-                "`model.config.use_cache = False`."
+                f"documents. {use_cache_fix(documents_of(attention_mask))}"
             )
         return _packed_mask(original, bound, attention_mask, config)
 

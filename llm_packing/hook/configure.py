@@ -5,7 +5,8 @@ Configuring checks the architecture and backend (`hook.support`), then replaces,
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
 (`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), the sparse key
 indexers (`hook.indexers`), ALiBi builders (`hook.alibi`), and adds the model's guards (`hook.guards`,
-`hook.multimodal`). Nothing is patched at import time.
+`hook.multimodal`) and, for an image-text model, the pre-hook that passes its top-level `use_cache=False` on to its
+text model (`hook.cache`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -19,7 +20,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import alibi, builders, guards, indexers, mixers, multimodal, registry, varlen
+from . import alibi, builders, cache, guards, indexers, mixers, multimodal, registry, varlen
 from .support.model_types import causal_lm_model_type
 
 
@@ -103,6 +104,7 @@ def configure_packing(
     if isinstance(model_or_config, torch.nn.Module):
         guards.refuse_batches_without_documents(model_or_config)
         guards.refuse_broken_kernels(model_or_config)
+        cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
     indexers.patch_indexers(config.model_type)

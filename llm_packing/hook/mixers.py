@@ -31,6 +31,7 @@ import torch
 from .. import _compat
 from ..errors import ContaminationError, IncompatibleTransformersError, UnsupportedSetupError
 from . import registry
+from .cache import use_cache_fix
 from .documents import bucket_bounds, documents_from_positions, documents_of
 from .masks import is_integer_mask
 
@@ -272,8 +273,7 @@ def _wrap_forward(forward, call: MixerCall):
             raise ContaminationError(
                 f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with a cache "
                 f"(`{cache_name}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
-                "into the next. Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = "
-                f"False`.{call.cache_hint}"
+                f"into the next. {use_cache_fix()}{call.cache_hint}"
             )
         hidden_states = arguments.pop(call.hidden)
         per_token = {name: arguments.pop(name) for name in call.per_token}
