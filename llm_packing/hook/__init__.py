@@ -8,6 +8,8 @@ every backend, and `unconfigure_packing()` undoes it.
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
 - `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
+- `cache`: the KV cache of a packed forward refused with the fix, an image-text model's top-level `use_cache=False`
+  passed on to its text model;
 - `multimodal`: media inputs in packed batches: images of the proven image-text types prepared by `image_text`
   (per-document mRoPE positions in `mrope`, each image's document checked in `placeholders`, videos of the proven
   video types in `video`, Mllama's cross-attention bounded in `cross_attention`), all other media refused;
