@@ -126,3 +126,29 @@ def test_the_trainers_overflow_reaches_image_text_packing(unconfigure_after):
     kept = sum(len(lengths) for lengths in trainer.train_dataset["seq_lengths"])
     assert 0 < kept < len(conversations())
     assert max(sum(lengths) for lengths in trainer.train_dataset["seq_lengths"]) <= 40
+
+
+@pytest.mark.parametrize("known_features", [True, False])
+def test_a_stream_of_conversations_trains_as_the_memory_mapped_ones(known_features, unconfigure_after):
+    """A stream of the same conversations (shorter than the packing buffer: the same rows, docs/images.md) gives the
+    memory-mapped trainer's first batch and loss, and trains; features unknown, its first example tells it holds
+    images."""
+    processor = tiny_processor(FAMILY)
+    model = tiny_image_text_model(FAMILY, processor)
+    data = conversations()
+    mapped = PackedSFTTrainer(model=copy.deepcopy(model), args=config(8, max_length=192), train_dataset=data,
+                              processing_class=processor)
+    expected, mapped_batch = first_step(mapped)
+    stream = data.to_iterable_dataset()
+    if not known_features:
+        stream = datasets.IterableDataset.from_generator(lambda: iter(data.cast_column(
+            "images", datasets.List(datasets.Image(decode=False))).to_list()))
+        assert stream.features is None
+    trainer = PackedSFTTrainer(model=model, args=config(8, max_length=192, max_steps=2), train_dataset=stream,
+                               processing_class=processor)
+    assert isinstance(trainer.train_dataset, datasets.IterableDataset)
+    loss, batch = first_step(trainer)
+    assert batch["attention_mask"].max() > 1
+    assert torch.equal(batch["input_ids"], mapped_batch["input_ids"])
+    assert abs(loss - expected) <= 1e-6, (loss, expected)
+    assert trainer.train().global_step == 2

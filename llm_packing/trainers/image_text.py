@@ -6,19 +6,22 @@ conversations with `pack_dataset(..., processor=...)` at `SFTConfig.max_length` 
 expanded, planned without decoding pixels; the trainer's `overflow`, `"error"` unless given, so nothing is cut or
 dropped unasked), and builds the collator, [`~llm_packing.batches.collator.DataCollatorWithPacking`] with the
 processor, which processes each document as TRL's vision collator does. `assistant_only_loss` goes to that collator
-(TRL's own never runs), so it is taken off the config TRL sees.
+(TRL's own never runs), so it is taken off the config TRL sees. A stream of conversations (`IterableDataset`) is
+packed as it is read, in bounded memory (`pack_dataset` on a stream); train it with `max_steps`.
 """
 
 import copy
 import dataclasses
 
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 from ..batches.collator import DataCollatorWithPacking
 from ..batches.packed_conversations import media_token_ids, placeholder_ids
 from ..data.pack import pack_dataset
 from ..data.pack_image_text import is_image_text
+from ..data.streaming_image_text import is_image_text_stream
 from ..errors import PackingTypeError, PackingValueError
+from .sft_data import column_names
 
 
 # The columns a packed image-text row carries, which TRL's column pruning must keep.
@@ -37,8 +40,9 @@ class ImageTextSetup:
 
 def prepare_image_text(args, model, processing_class, data_collator, train_dataset, eval_dataset, *,
                        overflow: str = "error"):
-    """The [`ImageTextSetup`] for a vision `train_dataset`, or `None` for a text one (left to the text path)."""
-    if not isinstance(train_dataset, Dataset) or not is_image_text(train_dataset):
+    """The [`ImageTextSetup`] for a vision `train_dataset` (memory-mapped or a stream), or `None` for a text one (left
+    to the text path)."""
+    if not _is_vision(train_dataset, processing_class):
         return None
     processor = processing_class
     if not (hasattr(processor, "tokenizer") and hasattr(processor, "image_processor")):
@@ -108,8 +112,14 @@ def longest_row(dataset: Dataset) -> int | None:
     return max((sum(lengths) for lengths in dataset.with_format(None)["seq_lengths"]), default=None)
 
 
+def _is_vision(dataset, processor) -> bool:
+    if isinstance(dataset, IterableDataset):
+        return is_image_text_stream(dataset, processor)
+    return isinstance(dataset, Dataset) and is_image_text(dataset)
+
+
 def _packed(dataset, max_length: int, processor, overflow: str):
-    if "seq_lengths" in dataset.column_names:  # packed already, by pack_dataset(..., processor=...)
+    if "seq_lengths" in column_names("dataset", dataset):  # packed already, by pack_dataset(..., processor=...)
         return dataset
     return pack_dataset(dataset, max_length, processor=processor, overflow=overflow)
 
