@@ -23,7 +23,7 @@ def test_verify_packing_with_images_passes(model_type):
         assert verify_packing(tiny.model, processor=tiny.processor) <= 1e-5
 
 
-def _text_positions_on_images(rope, input_ids, attention_mask, documents, mm_token_type_ids=None, image_grids=None):
+def _text_positions_on_images(rope, input_ids, attention_mask, documents, mm_token_type_ids=None, **grids):
     return document_position_ids(attention_mask).unsqueeze(0).repeat(4, 1, 1)
 
 
