@@ -238,16 +238,21 @@ def test_supported_model_types_stays_the_causal_lm_list():
     assert "gemma3" in supported_model_types() and "gemma3" in supported_image_text_model_types()
 
 
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl", "mllama"])
-def test_require_supported_takes_an_image_text_type_on_its_proven_backends(model_type):
+@pytest.mark.parametrize(("model_type", "refused"), [
+    ("llava", {}),
+    ("qwen2_5_vl", {"flex_attention": "proved it on eager, sdpa, flash_attention_2"}),
+    ("paligemma", {"flash_attention_2": "not on 'flash_attention_2': FlashAttention's varlen kernel attends each "
+                                        "document as one causal segment, and cannot express bidirectional image"}),
+    ("mllama", {}),  # a causal LM type too: its text-only batches keep that table's backends
+])
+def test_require_supported_takes_an_image_text_type_on_its_proven_backends(model_type, refused):
     config = AutoConfig.for_model(model_type)
-    config._attn_implementation = "sdpa"
-    require_supported(config)
-    config._attn_implementation = "flash_attention_2"
-    if model_type == "mllama":  # a causal LM type too: its text-only batches keep that table's backends
-        require_supported(config)
-    else:
-        with pytest.raises(UnsupportedSetupError, match="proved it on eager, sdpa"):
+    for backend in ("sdpa", "flash_attention_2", "flex_attention"):
+        config._attn_implementation = backend
+        if backend in refused:
+            with pytest.raises(UnsupportedSetupError, match=refused[backend]):
+                require_supported(config)
+        else:
             require_supported(config)
 
 

@@ -18,7 +18,7 @@ import re
 
 from ..._compat import MASK_BUILDER_NAMES, TRANSFORMERS_VERSION
 from ...errors import UnsupportedSetupError
-from .image_text import PROVEN_IMAGE_TEXT_TYPES
+from .image_text import PROVEN_IMAGE_TEXT_TYPES, backend_refusal as image_text_backend_refusal
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
 from .releases import backend_too_old
 from .table import (
@@ -204,9 +204,8 @@ def require_supported(config) -> None:
     if reason is not None and getattr(config, "model_type", None) in PROVEN_IMAGE_TEXT_TYPES:
         # An image-text model without a causal LM entry (llava, qwen2_5_vl, ...): the image-text matrix proved it.
         model_type, reason = config.model_type, None
-        proven = PROVEN_IMAGE_TEXT_TYPES[model_type].backends
-        if backend is not None and backend not in proven:
-            reason = f"the image-text parity matrix proved it on {', '.join(proven)}, not on backend {backend!r}"
+        if backend is not None:
+            reason = image_text_backend_refusal(model_type, backend)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
     stateful = non_attention_layer_types(config) if reason is None else []

@@ -24,12 +24,16 @@ IMAGE_TOKENS = "image tokens: text isolation, media in packed order"
 CROSS_ATTENTION = "cross-attention to the document's own images"
 
 IMAGE_TEXT_BACKENDS = ("eager", "sdpa", "flex_attention")
+# transformers' FlashAttention integration, one path whatever the kernel (`support.architectures.FLASH_BACKENDS`).
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 @dataclass(frozen=True)
 class ImageTextSupport:
     """A proven image-text type: its `family` (one of the mechanisms above) and the attention `backends` the parity
-    matrix proved it on (sdpa on its varlen and dense routes; flex_attention wherever transformers offers it)."""
+    matrices proved it on (sdpa on its varlen and dense routes; flex_attention and FlashAttention wherever
+    transformers offers them; FlashAttention through its varlen path with a reference kernel,
+    `tests/test_image_text_flash.py`)."""
 
     family: str
     backends: tuple[str, ...] = ("eager", "sdpa")
@@ -37,17 +41,30 @@ class ImageTextSupport:
 
 _WITH_FLEX = ("eager", "sdpa", "flex_attention")
 # transformers offers no flex_attention for qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe and glm4v.
-_MROPE = ImageTextSupport(MROPE)
+_MROPE = ImageTextSupport(MROPE, ("eager", "sdpa", *FLASH_BACKENDS))
+
+# FlashAttention 3 and 4 take flash_attention_2's path with another kernel, so with images they run for one type of
+# each family (the support table marks the other cells as inferred).
+FLASH_RUN_WITH_IMAGES = ("qwen2_5_vl", "llava")
+# Why a family's packed batches with images are refused on FlashAttention (transformers 5.24 offers none for its
+# types either: their wrapper classes build 4-D masks).
+FLASH_REFUSED_FAMILIES: dict[str, str] = {
+    IMAGE_BLOCKS: "FlashAttention's varlen kernel attends each document as one causal segment, and cannot express "
+    "bidirectional image blocks inside it (each image's tokens attending to each other); use "
+    "`configure_packing(model, attn_implementation='sdpa')` or 'flex_attention'",
+    CROSS_ATTENTION: "cross-attention to each document's own images needs a per-token mask, which FlashAttention's "
+    "varlen path does not take; use `configure_packing(model, attn_implementation='sdpa')`",
+}
 
 # Proven by tests/test_image_text_parity.py (CPU, float32, tolerance 1e-5). Edit only together with a passing matrix.
 PROVEN_IMAGE_TEXT_TYPES: dict[str, ImageTextSupport] = {
     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "glm4v"), _MROPE),
-    "qwen3_vl_moe": ImageTextSupport(MROPE, _WITH_FLEX),
+    "qwen3_vl_moe": ImageTextSupport(MROPE, (*_WITH_FLEX, *FLASH_BACKENDS)),
     **dict.fromkeys(("gemma3", "gemma4", "paligemma"), ImageTextSupport(IMAGE_BLOCKS, _WITH_FLEX)),
     **dict.fromkeys(
         ("llava", "llava_next", "llava_onevision", "vipllava", "idefics2", "idefics3", "smolvlm", "internvl",
          "mistral3", "aya_vision"),
-        ImageTextSupport(IMAGE_TOKENS, _WITH_FLEX),
+        ImageTextSupport(IMAGE_TOKENS, (*_WITH_FLEX, *FLASH_BACKENDS)),
     ),
     "mllama": ImageTextSupport(CROSS_ATTENTION, _WITH_FLEX),
 }
@@ -207,16 +224,23 @@ def refused_image_text_model_types() -> dict[str, str]:
     return {t: image_text_refusal_reason(t) for t in image_text_model_types() if t not in PROVEN_IMAGE_TEXT_TYPES}
 
 
+def backend_refusal(model_type: str, backend: str | None) -> str | None:
+    """Why packed batches with images of the proven `model_type` are refused on `backend`, or None if proven there."""
+    support = PROVEN_IMAGE_TEXT_TYPES[model_type]
+    if backend in FLASH_BACKENDS and support.family in FLASH_REFUSED_FAMILIES:
+        return f"not on {backend!r}: {FLASH_REFUSED_FAMILIES[support.family]}"
+    if backend not in support.backends:
+        return (f"the image-text parity matrix proved it on {', '.join(support.backends)}, not on {backend!r}; use "
+                "`configure_packing(model, attn_implementation='sdpa')`")
+    return None
+
+
 def require_images_supported(model_type: str, backend: str | None) -> ImageTextSupport:
     """The support entry of `model_type` if its packed batches with images are proven on `backend`, else raise
     [`UnsupportedSetupError`] with the reason."""
-    reason = image_text_refusal_reason(model_type)
-    support = PROVEN_IMAGE_TEXT_TYPES.get(model_type)
-    if reason is None and backend not in support.backends:
-        reason = (f"the image-text parity matrix proved it on {', '.join(support.backends)}, not on {backend!r}; "
-                  f"use `configure_packing(model, attn_implementation='sdpa')`")
+    reason = image_text_refusal_reason(model_type) or backend_refusal(model_type, backend)
     if reason is None:
-        return support
+        return PROVEN_IMAGE_TEXT_TYPES[model_type]
     raise UnsupportedSetupError(
         f"Packed batches with images cannot be isolated for model_type {model_type!r}: {reason}. Image-text types "
         f"packed with their images: {', '.join(supported_image_text_model_types())}. Pack only text-only rows for "

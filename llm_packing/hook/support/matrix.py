@@ -21,6 +21,8 @@ from .architectures import (
     supported_model_types,
 )
 from .image_text import (
+    FLASH_REFUSED_FAMILIES,
+    FLASH_RUN_WITH_IMAGES,
     IMAGE_BLOCKS,
     IMAGE_TEXT_BACKENDS,
     PROVEN_IMAGE_TEXT_TYPES,
@@ -122,13 +124,24 @@ def sequence_parallel_lines() -> list[str]:
 
 def _image_text_cell(model_type: str, backend: str) -> str:
     support = PROVEN_IMAGE_TEXT_TYPES[model_type]
-    if backend in FLASH_BACKENDS:
-        return "refused: not run with images"
-    if backend not in support.backends:
+    if backend in FLASH_BACKENDS and support.family in FLASH_REFUSED_FAMILIES:
+        what = "bidirectional image blocks" if support.family == IMAGE_BLOCKS else "per-document cross-attention"
+        return f"refused: {what} (n/a in transformers too)"
+    if backend in FLASH_BACKENDS and backend in support.backends and _image_text_offers_flash(model_type):
+        return "exact" if backend == "flash_attention_2" or model_type in FLASH_RUN_WITH_IMAGES else "inferred"
+    if backend not in support.backends or backend in FLASH_BACKENDS:
         return "n/a"
     if backend == "sdpa":
         return "exact (dense for the masks with image blocks)" if support.family == IMAGE_BLOCKS else "exact (varlen)"
     return "exact"
+
+
+def _image_text_offers_flash(model_type: str) -> bool:
+    """Whether transformers offers FlashAttention for the image-text class of `model_type`."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return bool(getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])._supports_flash_attn)
 
 
 def image_text_lines() -> list[str]:
@@ -146,9 +159,14 @@ def image_text_lines() -> list[str]:
         "run by `tests/test_image_text_parity.py` on CPU, with random layouts; each mechanism is shown necessary by "
         "`tests/test_image_text_controls.py`. `exact (varlen)` on sdpa: both routes proven; `exact (dense for the "
         "masks with image blocks)`: layers whose masks carry image blocks (mask functions) keep the dense mask, the "
-        "others take the varlen route. `n/a`: transformers offers no such backend. FlashAttention "
-        "cannot express bidirectional image blocks and has not run with images: packed batches with images are "
-        "refused there (text-only batches follow the table above).",
+        "others take the varlen route. `n/a`: transformers offers no such backend. FlashAttention: "
+        "`tests/test_image_text_flash.py` runs transformers' own FlashAttention code with the reference kernels of "
+        "the text table (each text layer gets one varlen segment per document, mRoPE positions per document), "
+        "flash_attention_2 for every type and flash_attention_3 and flash_attention_4 for "
+        f"{' and '.join(FLASH_RUN_WITH_IMAGES)}; `inferred`: not run, the same path with another kernel. "
+        "Bidirectional image blocks and per-document cross-attention cannot be expressed in FlashAttention's varlen "
+        "segments: those families' packed batches with images are refused there (transformers offers them no "
+        "FlashAttention either; text-only batches follow the table above).",
         "",
         "| model_type | mechanism | " + " | ".join(backends) + " |",
         "|---|---|" + "---|" * len(backends),
