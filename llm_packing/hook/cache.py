@@ -68,7 +68,8 @@ def use_cache_fix(documents: ForwardDocuments | None = None) -> str:
 
     Example:
     ```python
-    >>> use_cache_fix()
+    >>> import torch
+    >>> use_cache_fix(documents_of(torch.tensor([[1, 1, 2, 2, 2, 0]])))  # a text model's forward: nothing recorded
     'Pass `use_cache=False` (Trainer does this for you) or set `model.config.use_cache = False`.'
 
     ```
