@@ -109,7 +109,8 @@ def _plans(feature, index: int) -> list[tuple[int, int, int] | None]:
     if "seq_lengths" not in feature:
         return [None]
     columns = [list(feature.get(name) or []) for name in _PLAN_COLUMNS]
-    counts = {len(column) for column in columns} | {len(feature["messages"]), len(feature.get("images") or [])}
+    counts = {len(column) for column in columns} | {len(feature["messages"])}
+    counts |= {len(feature[name] or []) for name in ("images", "videos") if name in feature}
     if len(counts) != 1:
         raise PackingValueError(
             f"Feature {index} has {len(feature['messages'])} conversations but per-document columns of other lengths "
@@ -122,17 +123,56 @@ def _plans(feature, index: int) -> list[tuple[int, int, int] | None]:
 
 
 def _processed(processor, feature, number: int, where: str, chat_template, assistant_only_loss) -> dict:
-    """Document `number` of `feature` through the processor, as TRL's vision collator processes a row."""
+    """Document `number` of `feature` through the processor, as TRL's vision collator processes a row (its videos
+    decoded first: see [`_decoded_videos`])."""
     packed = "seq_lengths" in feature
     messages = feature["messages"][number] if packed else feature["messages"]
-    images = feature["images"][number] if packed else feature.get("images", [feature.get("image")])
+    if packed:
+        images, videos = [(feature.get(name) or [None] * (number + 1))[number] for name in ("images", "videos")]
+    else:
+        images, videos = feature.get("images", [feature.get("image")]), feature.get("videos")
     images = [open_image(image, f"image {i} of {where}") for i, image in enumerate(images or []) if image is not None]
+    frames, metadata = _decoded_videos(processor, list(videos or []), where)
+    videos_kwargs = {"video_metadata": metadata, "do_sample_frames": False} if frames else {}
     output = processor.apply_chat_template(
-        structured_messages(messages, images, where), chat_template=chat_template, tokenize=True, return_dict=True,
-        return_tensors="pt", return_assistant_tokens_mask=assistant_only_loss,
-        processor_kwargs={"padding": False, "truncation": False, "add_special_tokens": False},
+        structured_messages(messages, images, where, frames), chat_template=chat_template, tokenize=True,
+        return_dict=True, return_tensors="pt", return_assistant_tokens_mask=assistant_only_loss,
+        processor_kwargs={"padding": False, "truncation": False, "add_special_tokens": False, **videos_kwargs},
     )
+    if "second_per_grid_ts" in output:  # Qwen2.5-VL returns a list: the model takes it as a tensor
+        output["second_per_grid_ts"] = torch.as_tensor(output["second_per_grid_ts"], dtype=torch.float32)
     return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
+
+
+def _decoded_videos(processor, videos: list, where: str) -> tuple[list, list]:
+    """
+    `(frames, metadata)` of `videos` (paths, bytes or `{"bytes", "path"}` values): the frames the video processor
+    samples (its own `sample_frames`, as `pack_dataset` planned them from the header), decoded with PyAV, and their
+    `VideoMetadata` (frames, fps, size, the sampled indices). The processor then takes them as decoded
+    (`do_sample_frames=False`): what it does with a path when it decodes it itself, without torchcodec.
+    """
+    if not videos:
+        return [], []
+    from transformers.video_utils import VideoMetadata
+
+    from ..data.video import read_frames, sampled_frames, video_header
+
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None:
+        raise PackingValueError(
+            f"{where} holds {len(videos)} video(s), but `processor` ({type(processor).__name__}) has no video "
+            "processor. Pass the model's processor with its video processor (e.g. `AutoProcessor.from_pretrained`)."
+        )
+    frames, metadata = [], []
+    for i, video in enumerate(videos):
+        name = f"video {i} of {where}"
+        header = video_header(video, name)
+        indices = sampled_frames(video_processor, header, name)
+        frames.append(read_frames(video, indices, name))
+        metadata.append(VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
+                                      height=header.height, duration=header.frames / header.fps,
+                                      video_backend="pyav", frames_indices=indices))
+    return frames, metadata
 
 
 def _piece(document: dict, plan, where: str, processor) -> dict:

@@ -124,16 +124,16 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def structured_messages(messages: list[dict], images: list, where: str) -> list[dict]:
+def structured_messages(messages: list[dict], images: list, where: str, videos: list | None = None) -> list[dict]:
     """
-    `messages` with every content a list of parts and the row's `images` in the image parts, as TRL's
-    `prepare_multimodal_messages` makes them: string contents become `[{"type": "text", "text": ...}]`, the first
-    user message with a string content gets one `{"type": "image"}` part per image before its text, and the image
-    parts without an image (in order) are filled with `images`. The inputs are not modified. `where` names the row
-    in errors.
+    `messages` with every content a list of parts and the row's `images` (and `videos`) in their parts, as TRL's
+    `prepare_multimodal_messages` makes them for images: string contents become `[{"type": "text", "text": ...}]`,
+    the first user message with a string content gets one `{"type": "image"}` part per image, then one
+    `{"type": "video"}` part per video, before its text, and the parts without a value (in order) are filled with
+    `images` and `videos`. The inputs are not modified. `where` names the row in errors.
 
-    Unlike TRL, a part whose `"image"` is `None` counts as empty: a `datasets` struct column gives every part every
-    field.
+    Unlike TRL, a part whose `"image"` (`"video"`) is `None` counts as empty: a `datasets` struct column gives every
+    part every field.
 
     Example:
     ```python
@@ -143,10 +143,12 @@ def structured_messages(messages: list[dict], images: list, where: str) -> list[
     [{'type': 'image', 'image': 'cat.jpg'}, {'type': 'text', 'text': 'What is it?'}]
     >>> assistant["content"]
     [{'type': 'text', 'text': 'A cat.'}]
+    >>> structured_messages([{"role": "user", "content": "And this?"}], [], "row 1", ["cat.mp4"])[0]["content"]
+    [{'type': 'video', 'video': 'cat.mp4'}, {'type': 'text', 'text': 'And this?'}]
 
     ```
     """
-    images = list(images or [])
+    media = {"image": list(images or []), "video": list(videos or [])}
     structured, placed = [], False
     for message in messages:
         role, content = message.get("role"), message.get("content")
@@ -158,31 +160,33 @@ def structured_messages(messages: list[dict], images: list, where: str) -> list[
         if isinstance(content, str):
             parts = [{"type": "text", "text": content}]
             if role == "user" and not placed:
-                parts = [{"type": "image"} for _ in images] + parts
+                parts = [{"type": kind} for kind, values in media.items() for _ in values] + parts
                 placed = True
             message = {**message, "content": parts}
         structured.append(message)
-    empty = [(m, p) for m, message in enumerate(structured) if message.get("content") and message["role"] != "tool"
-             for p, part in enumerate(message["content"]) if _is_empty_image_part(part)]
-    if len(empty) != len(images):
-        raise PackingValueError(
-            f"{where} has {len(images)} image(s) in `images` but {len(empty)} image part(s) to put them in its "
-            "`messages` (`{'type': 'image'}` parts, or one per image before the first user message's text when its "
-            "content is a string). Make the counts agree in that row."
-        )
-    for (m, p), image in zip(empty, images, strict=True):
-        content = list(structured[m]["content"])
-        content[p] = {**content[p], "image": image}
-        structured[m] = {**structured[m], "content": content}
+    for kind, values in media.items():
+        empty = [(m, p) for m, message in enumerate(structured) if message.get("content") and message["role"] != "tool"
+                 for p, part in enumerate(message["content"]) if _is_empty_part(part, kind)]
+        if len(empty) != len(values):
+            raise PackingValueError(
+                f"{where} has {len(values)} {kind}(s) in `{kind}s` but {len(empty)} {kind} part(s) to put them in its "
+                f"`messages` (`{{'type': '{kind}'}}` parts, or one per {kind} before the first user message's text "
+                "when its content is a string). Make the counts agree in that row."
+            )
+        for (m, p), value in zip(empty, values, strict=True):
+            content = list(structured[m]["content"])
+            content[p] = {**content[p], kind: value}
+            structured[m] = {**structured[m], "content": content}
     return structured
 
 
-def images_in(messages: list[dict]) -> list:
-    """The images of structured `messages` (see [`structured_messages`]), in the order the processor reads them."""
-    return [part["image"] for message in messages if isinstance(message.get("content"), list)
-            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"
-            and part.get("image") is not None]
+def images_in(messages: list[dict], kind: str = "image") -> list:
+    """The images (`kind="video"`: the videos) of structured `messages` (see [`structured_messages`]), in the order the
+    processor reads them."""
+    return [part[kind] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("type") == kind
+            and part.get(kind) is not None]
 
 
-def _is_empty_image_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image" and part.get("image") is None
+def _is_empty_part(part, kind: str) -> bool:
+    return isinstance(part, dict) and part.get("type") == kind and part.get(kind) is None

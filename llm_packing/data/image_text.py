@@ -8,6 +8,9 @@ tokenizer), except that `replace_image_token` is handed the few numbers it reads
 tokenizing it is exact where counting placeholders is not (Idefics3's split images add newlines that merge with the
 text around them).
 
+Videos (`{"type": "video"}` parts, a `videos` column) are planned the same way from their container headers
+(`video.py`: frame count, rate and size; the video processor's own frame sampling; `replace_video_token`).
+
 `HEADER_RULES` says, per processor class, which inputs `replace_image_token` needs and how they follow from the
 sizes; each rule is checked against the processor's real expansion in `tests/test_image_text_plan.py`. A processor
 without a rule, or set up in a way its rule does not cover (Gemma 3's pan-and-scan, LLaVA without a center crop), is
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..core.image_text import image_size, structured_messages
 from ..errors import PackingValueError
+from .video import video_header, video_replacement
 
 
 logger = logging.getLogger(__name__)
@@ -125,35 +129,41 @@ class ConversationPlanner:
         self.rule = header_rule(processor)
         self._told = False
 
-    def plan(self, messages: list[dict], images: list, where: str) -> tuple[int, int]:
+    def plan(self, messages: list[dict], images: list, where: str, videos: list | None = None) -> tuple[int, int]:
         """
-        `(tokens, images_end)` of one conversation: its token count with every image placeholder expanded, and
-        the tokens up to the end of its last image's expansion (0 without images). `where` names the row in errors.
+        `(tokens, media_end)` of one conversation: its token count with every image and video placeholder expanded,
+        and the tokens up to the end of its last image's or video's expansion (0 without either). Videos are planned
+        from their container headers (`data/video.py`). `where` names the row in errors.
         """
-        structured = structured_messages(messages, images, where)
+        videos = list(videos or [])
+        structured = structured_messages(messages, images, where, videos)
         text = self.processor.apply_chat_template(structured, chat_template=self.chat_template, tokenize=False)
         sizes = [image_size(image, f"image {i} of {where}") for i, image in enumerate(images or [])]
-        image_token = getattr(self.processor, "image_token", None)
-        if image_token is not None and text.count(image_token) != len(sizes):
-            raise PackingValueError(
-                f"{where}: its chat text holds {text.count(image_token)} image placeholder(s) {image_token!r} for "
-                f"{len(sizes)} image(s): the processor would refuse it, or pair text and images wrongly. Remove "
-                f"{image_token!r} from that row's message texts, or give it one image per placeholder."
-            )
+        video_replacements = [video_replacement(self.processor, video_header(video, f"video {i} of {where}"),
+                                                f"video {i} of {where}") for i, video in enumerate(videos)]
+        for kind, count in (("image", len(sizes)), ("video", len(videos))):
+            _check_placeholders(self.processor, text, kind, count, where)
         inputs = self.rule(self.processor, sizes) if self.rule is not None and sizes else None
         if sizes and inputs is None:
+            if videos:
+                raise PackingValueError(
+                    f"{where} holds videos, and {type(self.processor).__name__} as set up has no header-only rule for "
+                    "its images: conversations with both cannot be planned. Pack its video rows unpacked."
+                )
             return self._plan_with_stand_ins(text, sizes)
         text = self.processor.prepare_inputs_layout(images=None, text=[text])[1][0]
         replacements = [self.processor.replace_image_token(inputs, image_idx=i) for i in range(len(sizes))]
-        (text,), (offsets,) = self._expanded(text, replacements)
+        (text,), (offsets,) = self._expanded(text, replacements, video_replacements)
         encoding = self.processor.tokenizer(text, add_special_tokens=False)
         tokens = len(encoding["input_ids"])
-        return tokens, _token_end(encoding, offsets[-1]["new_span"][1], tokens) if offsets else 0
+        media_end = max((offset["new_span"][1] for offset in offsets), default=0)
+        return tokens, _token_end(encoding, media_end, tokens) if offsets else 0
 
-    def _expanded(self, text: str, replacements: list[str]):
-        if not replacements:
+    def _expanded(self, text: str, replacements: list[str], video_replacements: list[str]):
+        if not replacements and not video_replacements:
             return [text], [[]]
-        return self.processor.get_text_with_replacements([text], images_replacements=replacements)
+        return self.processor.get_text_with_replacements([text], images_replacements=replacements,
+                                                         videos_replacements=video_replacements)
 
     def _plan_with_stand_ins(self, text: str, sizes: list[tuple[int, int]]) -> tuple[int, int]:
         from PIL import Image
@@ -170,6 +180,17 @@ class ConversationPlanner:
         if not offsets or not offsets[0]:  # a processor that does not report where images went: the last image id
             return len(ids), _last_media_token(self.processor, ids) + 1
         return len(ids), _token_end(output, offsets[0][-1]["new_span"][1], len(ids))
+
+
+def _check_placeholders(processor, text: str, kind: str, count: int, where: str) -> None:
+    token = getattr(processor, f"{kind}_token", None)
+    if token is not None and text.count(token) != count:
+        raise PackingValueError(
+            f"{where}: its chat text holds {text.count(token)} {kind} placeholder(s) {token!r} for {count} {kind}(s): "
+            f"the processor would refuse it, or pair text and {kind}s wrongly. Remove {token!r} from that row's "
+            f"message texts, give it one {kind} per placeholder, or use a chat template that renders "
+            f"`{{'type': '{kind}'}}` parts."
+        )
 
 
 def _token_end(encoding, character_end: int, tokens: int) -> int:

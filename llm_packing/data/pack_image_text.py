@@ -32,25 +32,32 @@ __all__ = ["IMAGE_COLUMNS", "conversation_pieces", "is_image_text", "pack_image_
            "plan_conversations", "require_processor"]
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's: a dataset is a vision dataset if its rows have either
+VIDEO_COLUMN = "videos"  # a list of videos per conversation, beside or instead of the images
 _ROWS_PER_CHUNK = 1000  # packed rows gathered and written at a time: a chunk's image bytes, not the corpus's, in RAM
 
 
 def is_image_text(dataset) -> bool:
-    """Whether `dataset` is in TRL's vision format (an `images` or `image` column)."""
-    return any(name in (dataset.column_names or ()) for name in IMAGE_COLUMNS)
+    """Whether `dataset` is in TRL's vision format (an `images` or `image` column, or a `videos` column)."""
+    return any(name in (dataset.column_names or ()) for name in (*IMAGE_COLUMNS, VIDEO_COLUMN))
 
 
-def image_column(dataset) -> str:
-    return next(name for name in IMAGE_COLUMNS if name in dataset.column_names)
+def image_column(dataset) -> str | None:
+    """The dataset's image column (`images` or `image`), or None for a dataset of videos only."""
+    return next((name for name in IMAGE_COLUMNS if name in dataset.column_names), None)
+
+
+def media_columns(dataset) -> str:
+    """The columns that make `dataset` image-text, for messages (e.g. `'images'`, `'images' and 'videos'`)."""
+    return " and ".join(repr(name) for name in (*IMAGE_COLUMNS, VIDEO_COLUMN) if name in dataset.column_names)
 
 
 def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: str | None = None,
                        num_proc: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """
-    `(tokens, images_end)` of every row of `dataset`: the conversation's token count with its images' placeholders
-    expanded, and the tokens up to the end of its last image (0 without images), as int64 arrays. Planned with
-    `Dataset.map` over the Arrow rows (cached like any map, `num_proc` processes): images are read as stored, never
-    decoded.
+    `(tokens, images_end)` of every row of `dataset`: the conversation's token count with its images' and videos'
+    placeholders expanded, and the tokens up to the end of its last image or video (0 without either), as int64
+    arrays. Planned with `Dataset.map` over the Arrow rows (cached like any map, `num_proc` processes): images and
+    videos are read as stored, never decoded (a video's frames from its container header).
     """
     check_format(dataset)
     images = image_column(dataset)
@@ -58,8 +65,12 @@ def plan_conversations(dataset: datasets.Dataset, processor, *, chat_template: s
     planner = ConversationPlanner(processor, chat_template)
 
     def plan(batch: pa.Table, indices):  # Arrow rows: images as stored ({"bytes", "path"}), never decoded
-        rows = [planner.plan(conversation, _as_list(value, single), f"row {index}") for conversation, value, index
-                in zip(batch["messages"].to_pylist(), batch[images].to_pylist(), indices, strict=True)]
+        none = [None] * len(indices)
+        stored_images = batch[images].to_pylist() if images else none
+        stored_videos = batch[VIDEO_COLUMN].to_pylist() if VIDEO_COLUMN in batch.column_names else none
+        rows = [planner.plan(conversation, _as_list(value, single), f"row {index}", list(videos or []))
+                for conversation, value, videos, index
+                in zip(batch["messages"].to_pylist(), stored_images, stored_videos, indices, strict=True)]
         return {"tokens": [tokens for tokens, _ in rows], "images_end": [end for _, end in rows]}
 
     counts = dataset.with_format("arrow").map(
@@ -105,18 +116,19 @@ def require_processor(dataset, processor) -> None:
     """Refuse to pack image-text `dataset` without the processor that gives its token counts."""
     if processor is None:
         raise PackingValueError(
-            f"`dataset` holds images (column {image_column(dataset)!r}), so packing it needs the token count of each "
-            "conversation once the processor has expanded its image placeholders. Pass the processor you train with: "
-            "`pack_dataset(dataset, max_length, processor=processor)`."
+            f"`dataset` holds images or videos (column {media_columns(dataset)}), so packing it needs the token count "
+            "of each conversation once the processor has expanded its placeholders. Pass the processor you train "
+            "with: `pack_dataset(dataset, max_length, processor=processor)`."
         )
 
 
 def check_format(dataset) -> None:
     if "messages" not in dataset.column_names:
         raise PackingValueError(
-            f"`dataset` holds images (column {image_column(dataset)!r}) but has no 'messages' column (columns: "
-            f"{dataset.column_names}). Image-text rows are packed in TRL's conversational format: `messages` (a list "
-            "of {'role', 'content'}) beside `images`. Convert prompt-completion or text rows to `messages` first."
+            f"`dataset` holds images or videos (column {media_columns(dataset)}) but has no 'messages' column "
+            f"(columns: {dataset.column_names}). Image-text rows are packed in TRL's conversational format: "
+            "`messages` (a list of {'role', 'content'}) beside `images` or `videos`. Convert prompt-completion or "
+            "text rows to `messages` first."
         )
 
 
@@ -152,6 +164,8 @@ def conversation_pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: 
 def _undecoded(feature):
     if isinstance(feature, datasets.Image):
         return datasets.Image(mode=feature.mode, decode=False)
+    if isinstance(feature, datasets.Video):
+        return datasets.Video(decode=False)
     if isinstance(feature, (datasets.List, datasets.LargeList)):
         return type(feature)(_undecoded(feature.feature))
     if isinstance(feature, datasets.Sequence):
@@ -159,12 +173,15 @@ def _undecoded(feature):
     return feature
 
 
-def packed_features(dataset, images: str) -> datasets.Features:
-    image = _undecoded(dataset.features[images])
-    per_document = image if images == "images" else datasets.List(image)
+def packed_features(dataset, images: str | None) -> datasets.Features:
     lengths = datasets.List(datasets.Value("int32"))
-    return datasets.Features({"messages": datasets.List(dataset.features["messages"]),
-                              "images": datasets.List(per_document), "seq_lengths": lengths, "seq_starts": lengths,
+    features = {"messages": datasets.List(dataset.features["messages"])}
+    if images is not None:
+        image = _undecoded(dataset.features[images])
+        features["images"] = datasets.List(image if images == "images" else datasets.List(image))
+    if VIDEO_COLUMN in dataset.column_names:
+        features[VIDEO_COLUMN] = datasets.List(_undecoded(dataset.features[VIDEO_COLUMN]))
+    return datasets.Features({**features, "seq_lengths": lengths, "seq_starts": lengths,
                               "conversation_lengths": lengths})
 
 
@@ -172,12 +189,16 @@ def _packed_rows(table, images: str, pieces, order, offsets, tokens, features) -
     """The packed rows of the pieces `order` (grouped by `offsets`), gathered from the Arrow `table`."""
     sources = pieces.source[order]
     wrap = lambda values: pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)  # noqa: E731
-    messages = table["messages"].take(sources).combine_chunks()
-    document_images = table[images].take(sources).combine_chunks()
-    if images == "image":  # one image per conversation: a list of one
-        single = pa.array(np.arange(len(sources) + 1), pa.int32())
-        document_images = pa.ListArray.from_arrays(single, document_images)
-    columns = {"messages": wrap(messages), "images": wrap(document_images),
+    columns = {"messages": wrap(table["messages"].take(sources).combine_chunks())}
+    if images is not None:
+        document_images = table[images].take(sources).combine_chunks()
+        if images == "image":  # one image per conversation: a list of one
+            single = pa.array(np.arange(len(sources) + 1), pa.int32())
+            document_images = pa.ListArray.from_arrays(single, document_images)
+        columns["images"] = wrap(document_images)
+    if VIDEO_COLUMN in features:
+        columns[VIDEO_COLUMN] = wrap(table[VIDEO_COLUMN].take(sources).combine_chunks())
+    columns = {**columns,
                "seq_lengths": wrap(pa.array(pieces.length[order], pa.int32())),
                "seq_starts": wrap(pa.array(pieces.start[order], pa.int32())),
                "conversation_lengths": wrap(pa.array(tokens[sources], pa.int32()))}

@@ -184,6 +184,12 @@ def _conversation(example: dict, row: int) -> tuple[list[dict], list, list | Non
             "{'role', 'content'}) beside `images` (or `image`) in every example. Fix that example, or filter the "
             "stream before packing."
         )
+    if example.get("videos"):
+        raise PackingValueError(
+            f"Example {row} of the stream holds videos ({len(example['videos'])} in `videos`): streams of "
+            "conversations with videos are not packed yet. Pack them as a map-style dataset (`load_dataset(..., "
+            "streaming=False)` or `Dataset.from_generator`), or leave the videos out of the stream."
+        )
     value = example[name]
     if name == "image":
         return example["messages"], [] if value is None else [value], [value]

@@ -87,6 +87,31 @@ def video_header(video, where: str) -> VideoHeader:
     return VideoHeader(int(frames), float(rate), int(width), int(height))
 
 
+def read_frames(video, indices, where: str) -> np.ndarray:
+    """
+    The frames of `video` at `indices` (sorted frame numbers, e.g. [`sampled_frames`]'s), decoded with PyAV as
+    transformers' `load_video(..., backend="pyav")` decodes them: `(len(indices), height, width, 3)` uint8 RGB. A video
+    with fewer frames than its header said is refused.
+    """
+    import av
+
+    wanted = {int(index) for index in indices}
+    frames = []
+    with av.open(_source(video, where)) as container:
+        for number, frame in enumerate(container.decode(video=0)):
+            if number in wanted:
+                frames.append(frame.to_ndarray(format="rgb24"))
+            if len(frames) == len(wanted):
+                break
+    if len(frames) != len(wanted):
+        raise PackingValueError(
+            f"{where} ({_describe(video)}) decoded to fewer frames than its header gives: frame "
+            f"{max(wanted)} was asked for and {len(frames)} of {len(wanted)} frames were found. Remux it "
+            "(`ffmpeg -i in -c copy out.mp4`) so that its header counts its frames, or drop the row and pack again."
+        )
+    return np.stack(frames)
+
+
 def _source(video, where: str):
     if isinstance(video, (str, os.PathLike)):
         return os.fspath(video)

@@ -25,7 +25,7 @@ from .sft_data import column_names
 
 
 # The columns a packed image-text row carries, which TRL's column pruning must keep.
-PACKED_COLUMNS = ["messages", "images", "seq_lengths", "seq_starts", "conversation_lengths"]
+PACKED_COLUMNS = ["messages", "images", "videos", "seq_lengths", "seq_starts", "conversation_lengths"]
 
 
 @dataclasses.dataclass
