@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from ..core.checks import check_integer
 from ..core.rows import IGNORE_INDEX, ignore_masked
 from ..demo.chitchat import DEMO_DATASET_NAME, load_chitchat_dataset, load_demo_tokenizer
+from ..demo.clips import DEMO_VIDEO_DATASET_NAME, load_clip_conversations
 from ..demo.photos import DEMO_IMAGE_TEXT_DATASET_NAME, load_photo_conversations
 from ..demo.pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 from ..errors import PackingValueError
@@ -59,7 +60,7 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
                    max_samples: int | None = None) -> datasets.Dataset:
     """
     One split of a dataset: `"chitchat"` (the built-in demo conversations), `"photos"` (the built-in image-text
-    conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
+    conversations), `"clips"` (the built-in video conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
     file, or a hub dataset / dataset folder. `max_samples` keeps the first that many examples.
     """
     check_integer("max_samples", max_samples, optional=True)
@@ -68,6 +69,8 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
         dataset = load_chitchat_dataset(max_samples)
     elif name == DEMO_IMAGE_TEXT_DATASET_NAME:
         dataset = load_photo_conversations(max_samples)
+    elif name == DEMO_VIDEO_DATASET_NAME:
+        dataset = load_clip_conversations(max_samples)
     elif os.path.isfile(name):
         extension = os.path.splitext(name)[1].lstrip(".")
         builder = LOCAL_FILE_BUILDERS.get(extension)

@@ -3,10 +3,11 @@
     python -m llm_packing.train --config recipes/tiny-cpu-vlm.yaml
 
 Processor and model (a checkpoint, or a tiny one built from `model_config` with the processor's token ids and
-vocabulary), the conversations (`messages` + `images`: a hub dataset, a local file or folder, or `"photos"`, the
-built-in ones), `pack_dataset(..., processor=...)` by their true token counts with images expanded (planned from the
-images' file headers, nothing decoded), then [`~llm_packing.trainers.sft.PackedSFTTrainer`] with the processor:
-each row's documents are processed as TRL's vision collator processes them, and the hook keeps them apart.
+vocabulary), the conversations (`messages` + `images`, and `videos` beside or instead of them: a hub dataset, a local
+file or folder, or `"photos"` / `"clips"`, the built-in ones), `pack_dataset(..., processor=...)` by their true token
+counts with images and videos expanded (planned from the files' headers, nothing decoded), then
+[`~llm_packing.trainers.sft.PackedSFTTrainer`] with the processor: each row's documents are processed as TRL's
+vision collator processes them (videos decoded with PyAV), and the hook keeps them apart.
 """
 
 import contextlib
@@ -20,7 +21,8 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 from trl import get_peft_config
 
 from ..data.pack import pack_dataset
-from ..data.pack_image_text import image_column, is_image_text
+from ..data.pack_image_text import VIDEO_COLUMN, image_column, is_image_text
+from ..demo.clips import DEMO_VIDEO_PROCESSOR_NAME, load_demo_video_processor
 from ..demo.photos import DEMO_PROCESSOR_NAME, load_demo_processor
 from ..errors import PackingValueError
 from ..hook.configure import packing_configured
@@ -59,10 +61,12 @@ def train_image_text(script_args, training_args, model_args, packing_args):
                                    seed=packing_args.packing_seed, overflow=packing_args.overflow,
                                    max_docs_per_bin=max_docs_per_bin, num_proc=training_args.dataset_num_proc,
                                    return_stats=True, processor=processor)
-    images = _count_images(documents)
-    logger.info("attention backend %r; layout %s; %d conversations (%d images) in %d rows",
+    media = f"{_count(documents, image_column(documents))} images"
+    if VIDEO_COLUMN in documents.column_names:
+        media += f", {_count(documents, VIDEO_COLUMN)} videos"
+    logger.info("attention backend %r; layout %s; %d conversations (%s) in %d rows",
                 model.config._attn_implementation, "indexed mask" if packing_args.block_diag_attn else "unpacked",
-                len(documents), images, len(rows))
+                len(documents), media, len(rows))
     hook = (packing_configured(model, attention_route=packing_args.attention_route) if packing_args.block_diag_attn
             else contextlib.nullcontext())
     with hook:
@@ -79,9 +83,12 @@ def train_image_text(script_args, training_args, model_args, packing_args):
 
 
 def load_processor(name: str, *, revision: str | None = None, trust_remote_code: bool = False):
-    """The processor `name` (a hub id or local path), or the built-in tiny Qwen2.5-VL one for `"demo-qwen2.5-vl"`."""
+    """The processor `name` (a hub id or local path), or the built-in tiny Qwen2.5-VL one for `"demo-qwen2.5-vl"`
+    (with its video processor: `"demo-qwen2.5-vl-video"`)."""
     if name == DEMO_PROCESSOR_NAME:
         return load_demo_processor()
+    if name == DEMO_VIDEO_PROCESSOR_NAME:
+        return load_demo_video_processor()
     return AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
 
 
@@ -119,8 +126,10 @@ def load_image_text_model(script_args, model_args, training_args, processor):
     return model
 
 
-def _count_images(documents) -> int:
-    column = documents.with_format("arrow")[image_column(documents)]
+def _count(documents, name: str | None) -> int:
+    if name is None:
+        return 0
+    column = documents.with_format("arrow")[name]
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
         return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
     return len(column) - column.null_count

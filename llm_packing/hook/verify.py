@@ -17,7 +17,7 @@ import torch
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
 from .image_text import causal_through_token_types
-from .verify_images import image_row_difference
+from .verify_images import image_row_difference, includes_video
 from .verify_limits import PackingMeasurement, compare
 
 
@@ -65,7 +65,8 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
         processor ([`~transformers.ProcessorMixin`], *optional*):
             The image-text model's own processor. If given, a packed row also holds a document with two images of
             different shapes between two text documents (placeholders, pixels and grids as the processor makes
-            them), checked against the same limit; without it only text documents are checked.
+            them), checked against the same limit; for a type that packs videos whose processor has a video
+            processor, that document holds a video too. Without it only text documents are checked.
 
     Returns:
         `float`: the largest absolute logit difference found.
@@ -315,7 +316,10 @@ def configure_and_verify(
         )
         return None
     difference = verify_packing(model, processor=processor)
-    images = " (documents with images included)" if processor is not None else ""
+    images = ""
+    if processor is not None:
+        video = includes_video(model.config.model_type, processor)
+        images = f" (documents with images{' and a video' if video else ''} included)"
     logger.info("%sisolation verified%s: packed %s equal per-document %s (max abs diff %.2g)", where, images, compared,
                 compared, difference)
     return difference
