@@ -34,8 +34,14 @@ LAYERS = {
     "demo": {"core", "errors"},
     "train": {"cli"},
 }
+# Single modules of another layer a layer may import besides: the collator decodes the video frames `pack_dataset`
+# planned with the same frame sampling (`batches/__init__`).
+MODULES = {"batches": {"data.video"}}
 # Third-party packages a layer must not import.
 FORBIDDEN = {"core": {"torch", "transformers", "datasets", "pyarrow", "trl"}, "data": {"torch", "transformers", "trl"}}
+# Modules allowed one of their layer's forbidden packages: data.video hands a video processor transformers' own
+# `VideoMetadata`, imported in the functions that take that processor (so transformers is loaded already).
+FORBIDDEN_EXCEPT = {"data.video": {"transformers"}}
 
 
 def module_names(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
@@ -150,9 +156,11 @@ def test_each_module_imports_only_the_layers_below_it(module):
     layer = layer_of(module)
     if layer in ("cli", "__init__"):
         return
-    upward = {target for target in package_graph()[module] if layer_of(target) not in LAYERS[layer] | {layer}}
+    upward = {target for target in package_graph()[module]
+              if layer_of(target) not in LAYERS[layer] | {layer} and target not in MODULES.get(layer, set())}
     assert not upward, f"{module} ({layer}) imports {sorted(upward)}; it may import {sorted(LAYERS[layer])}"
     forbidden = third_party_imports(module_names()[module]) & FORBIDDEN.get(layer, set())
+    forbidden -= FORBIDDEN_EXCEPT.get(module, set())
     assert not forbidden, f"{module} imports {sorted(forbidden)}"
 
 

@@ -22,6 +22,7 @@ from tiny_video import TinyVideo
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
 from llm_packing.hook import video
 from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.placeholders import placeholder_mask
 from llm_packing.hook.video import VIDEO_TYPES
 
 
@@ -164,8 +165,8 @@ def test_a_video_moved_into_the_next_document_is_refused(model_type):
     broken = [dict(document) for document in case.documents]
     for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
         if key in broken[1]:
-            placeholders = video.video_placeholder_mask(case.model.config, broken[1]["input_ids"],
-                                                        broken[1].get("mm_token_type_ids"))
+            placeholders = placeholder_mask(case.model.config, broken[1]["input_ids"],
+                                            broken[1].get("mm_token_type_ids"), "video")
             last = int(placeholders[0].nonzero().max())
             broken[1][key] = torch.cat([broken[1][key][:, :last], broken[1][key][:, last + 1:]], dim=1)
     broken_case = pack(case.tiny, broken, ROWS, PADDING)

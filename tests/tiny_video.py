@@ -11,53 +11,14 @@ Clips are real photos in motion: matplotlib's sample images, panned and zoomed f
 writes one as an MP4 with PyAV, as a dataset would hold it.
 """
 
-import importlib
 import random
-import sys
-import types
 
 import numpy as np
 import torch
 import transformers
 from tiny_image_text import WORDS, TinyImageText, photo
-from transformers.video_processing_utils import BaseVideoProcessor
 
-
-class TorchKernels(BaseVideoProcessor):
-    """The pixel kernels a video processor takes from torchvision, in torch (sits below the model's class in the
-    MRO, so its `super().resize` lands here)."""
-
-    def resize(self, image, size, resample=None, antialias=True, **kwargs):
-        height, width = (size.height, size.width) if size.height else (size.shortest_edge, size.shortest_edge)
-        frames = image.reshape(-1, *image.shape[-3:]).float()
-        out = torch.nn.functional.interpolate(frames, size=(height, width), mode="bicubic", antialias=True)
-        out = out.reshape(*image.shape[:-2], height, width)
-        return out.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else out
-
-    def normalize(self, image, mean, std, inplace=False, **kwargs):
-        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-        return (image - mean) / std
-
-    def convert_to_rgb(self, video):
-        return video
-
-
-def _import_without_torchvision(name: str):
-    """Import a module whose only top-level use of torchvision is `import torchvision.transforms.v2.functional`
-    (used in its annotations): an empty stand-in is in `sys.modules` for the import only."""
-    stand_ins = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional"]
-    saved = {stand_in: sys.modules.get(stand_in) for stand_in in stand_ins}
-    sys.modules.update({stand_in: types.ModuleType(stand_in) for stand_in in stand_ins})
-    try:
-        return importlib.import_module(name)
-    finally:
-        for stand_in, module in saved.items():
-            if module is None:
-                sys.modules.pop(stand_in, None)
-            else:
-                sys.modules[stand_in] = module
+from llm_packing.demo.torch_video_kernels import TorchKernels, import_without_torchvision, with_torch_kernels
 
 
 def with_video_processor(processor_class):
@@ -74,25 +35,21 @@ def with_video_processor(processor_class):
     return WithVideo
 
 
-def _with_torch_kernels(cls):
-    return type(cls.__name__, (cls, TorchKernels), {})
-
-
 def _qwen2_video(**kwargs):
-    module = _import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
-    return _with_torch_kernels(module.Qwen2VLVideoProcessor)(cap_pixels_per_frame=False, **kwargs)
+    module = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    return with_torch_kernels(module.Qwen2VLVideoProcessor)(cap_pixels_per_frame=False, **kwargs)
 
 
 def _qwen3_video(**kwargs):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    return _with_torch_kernels(Qwen3VLVideoProcessor)(cap_pixels_per_frame=False, **kwargs)
+    return with_torch_kernels(Qwen3VLVideoProcessor)(cap_pixels_per_frame=False, **kwargs)
 
 
 def _onevision_video(**kwargs):
     from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
 
-    return _with_torch_kernels(LlavaOnevisionVideoProcessor)(**kwargs)
+    return with_torch_kernels(LlavaOnevisionVideoProcessor)(**kwargs)
 
 
 # Pixel budgets small enough for tiny rows: a frame gives 2 to 16 merged tokens, as the tiny image processors do.

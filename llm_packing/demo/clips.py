@@ -16,10 +16,7 @@ pixel values differ slightly from torchvision's. PyAV (`av`) and matplotlib are 
 """
 
 import functools
-import importlib
 import io
-import sys
-import types
 
 
 DEMO_VIDEO_DATASET_NAME = "clips"
@@ -140,36 +137,7 @@ def _qwen2_vl_video_processor():
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
         return Qwen2VLVideoProcessor
-    import torch
-    from transformers.video_processing_utils import BaseVideoProcessor
+    from .torch_video_kernels import import_without_torchvision, with_torch_kernels
 
-    class TorchKernels(BaseVideoProcessor):
-        def resize(self, image, size, resample=None, antialias=True, **kwargs):
-            height, width = (size.height, size.width) if size.height else (size.shortest_edge, size.shortest_edge)
-            frames = image.reshape(-1, *image.shape[-3:]).float()
-            out = torch.nn.functional.interpolate(frames, size=(height, width), mode="bicubic", antialias=True)
-            out = out.reshape(*image.shape[:-2], height, width)
-            return out.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else out
-
-        def normalize(self, image, mean, std, inplace=False, **kwargs):
-            mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-            std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-            return (image - mean) / std
-
-        def convert_to_rgb(self, video):
-            return video
-
-    # The module imports torchvision's functional API for annotations only: an empty stand-in, for the import only.
-    stand_ins = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional"]
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update({name: types.ModuleType(name) for name in stand_ins})
-    try:
-        module = importlib.import_module("transformers.models.qwen2_vl.video_processing_qwen2_vl")
-    finally:
-        for name, module_before in saved.items():
-            if module_before is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module_before
-    return type("Qwen2VLVideoProcessor", (module.Qwen2VLVideoProcessor, TorchKernels), {})
+    module = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    return with_torch_kernels(module.Qwen2VLVideoProcessor)

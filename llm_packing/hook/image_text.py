@@ -122,6 +122,6 @@ def _media_owners(model_type, config, documents, input_ids, type_ids, images, vi
     owners = documents_of_images(model_type, config, documents, placeholders, images)
     if model_type not in video.VIDEO_TYPES:
         return owners, None
-    video_placeholders = video.video_placeholder_mask(config, input_ids, type_ids).cpu().numpy()
+    video_placeholders = placeholder_mask(config, input_ids, type_ids, "video").cpu().numpy()
     return owners, video.documents_of_videos(model_type, config, documents, video_placeholders, videos)
 

@@ -78,22 +78,27 @@ IMAGE_UNITS: dict[str, Callable[..., list[int]]] = {
 }
 
 
-def image_token_id(config) -> int | None:
-    """The placeholder token id of an image, under whichever name the config keeps it."""
+# The `mm_token_type_ids` value of each kind of placeholder, where the processor gives that column.
+_TOKEN_TYPES = {"image": 1, "video": 2}
+
+
+def media_token_id(config, kind: str = "image") -> int | None:
+    """The placeholder token id of an image or a video (`kind`), under whichever name the config keeps it."""
     for part in (config, getattr(config, "text_config", None)):
-        for name in ("image_token_id", "image_token_index"):
+        for name in (f"{kind}_token_id", f"{kind}_token_index"):
             value = getattr(part, name, None)
             if isinstance(value, int):
                 return value
     return None
 
 
-def placeholder_mask(config, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None) -> torch.Tensor:
-    """Where the image placeholders of a batch are: `mm_token_type_ids == 1` where the processor gives the column,
-    else the config's image token."""
+def placeholder_mask(config, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None,
+                     kind: str = "image") -> torch.Tensor:
+    """Where the image (or video, `kind`) placeholders of a batch are: `mm_token_type_ids` of that kind where the
+    processor gives the column, else the config's placeholder token."""
     if mm_token_type_ids is not None:
-        return mm_token_type_ids == 1
-    token = image_token_id(config)
+        return mm_token_type_ids == _TOKEN_TYPES[kind]
+    token = media_token_id(config, kind)
     return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
 
 

@@ -86,25 +86,6 @@ def refuse_media_not_packed(model_type: str, backend: str | None, given: dict) -
         )
 
 
-def video_token_id(config) -> int | None:
-    """The placeholder token id of a video, under whichever name the config keeps it."""
-    for part in (config, getattr(config, "text_config", None)):
-        for name in ("video_token_id", "video_token_index"):
-            value = getattr(part, name, None)
-            if isinstance(value, int):
-                return value
-    return None
-
-
-def video_placeholder_mask(config, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None) -> torch.Tensor:
-    """Where the video placeholders of a batch are: `mm_token_type_ids == 2` where the processor gives the column,
-    else the config's video token."""
-    if mm_token_type_ids is not None:
-        return mm_token_type_ids == 2
-    token = video_token_id(config)
-    return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
-
-
 def documents_of_videos(
     model_type: str, config, documents: ForwardDocuments, placeholders: np.ndarray, media: dict
 ) -> np.ndarray:
