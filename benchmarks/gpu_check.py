@@ -66,7 +66,7 @@ BENCHMARKS = os.path.join(ROOT, "benchmarks")
 sys.path[:0] = [ROOT, BENCHMARKS]
 
 import gpu_wheels  # noqa: E402 -- benchmarks/ and the repository root are on the path from here
-from train_throughput import MODELS, run_bounded  # noqa: E402
+from train_throughput import MODELS, head_dim, run_bounded  # noqa: E402
 
 
 RESULTS = os.path.join(BENCHMARKS, "results")
@@ -137,10 +137,10 @@ def verify_steps(models: dict[str, str], smollm2_installed: bool) -> list[tuple[
     return steps
 
 
-def resolve(configurations, max_length: int, dense_at) -> list[str]:
-    """`configurations` with `OTHER_ROUTE` resolved: the explicit sdpa route that `auto` does not take at this row
-    length (`dense_at(length)`: whether auto takes the dense route on CUDA)."""
-    other = VARLEN if dense_at(max_length) else DENSE
+def resolve(configurations, section: "Section", dense_at) -> list[str]:
+    """`configurations` with `OTHER_ROUTE` resolved: the explicit sdpa route that `auto` does not take for this
+    section's row length and model (`dense_at(section)`: whether auto takes the dense route on CUDA)."""
+    other = VARLEN if dense_at(section) else DENSE
     return [configuration.replace(OTHER_ROUTE, other) for configuration in configurations]
 
 
@@ -150,9 +150,9 @@ def throughput_command(section: Section, output: str, dense_at, budget_s: float 
                str(section.rows), "--accumulation", str(section.accumulation), "--steps", "3", "--rounds", "1",
                "--warmup", "1", "--datasets", section.dataset, "--threads", "4", "--no-plot", "--row-timeout-s",
                str(int(max(180, 2 * section.row_s))), "--output", output, *section.flags, "--only",
-               *resolve(section.configurations, section.max_length, dense_at)]
+               *resolve(section.configurations, section, dense_at)]
     if section.profile:
-        command += ["--profile", *resolve(section.profile, section.max_length, dense_at)]
+        command += ["--profile", *resolve(section.profile, section, dense_at)]
     if os.path.exists(CONVERSATIONS):
         command += ["--conversations", CONVERSATIONS]
     if budget_s is not None:
@@ -234,14 +234,14 @@ def print_plan(args, why: str | None) -> int:
         print("- exactness, compiled packed steps: python benchmarks/gpu_compile_check.py --json <file>")
         print(f"  (all at once, estimated {EXACTNESS_S} s)")
     elapsed = 0 if args.skip_exactness else EXACTNESS_S
-    dense_at = lambda length: auto_takes_dense(DEVICE, length)  # noqa: E731
+    dense_at = lambda section: auto_takes_dense(DEVICE, section.max_length, head_dim(section.model))  # noqa: E731
     for section in chosen_sections(args):
         elapsed += estimate_s(section)
         fits = "fits" if elapsed <= args.budget_s else "over --budget-s: skipped"
         command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None)[1:]
         print(f"- throughput {section.name}, estimated {estimate_s(section):.0f} s (cumulative {elapsed:.0f} s, "
               f"{fits}): python {shlex.join([os.path.relpath(command[0], ROOT), *command[1:]])}")
-        for configuration in resolve(section.configurations, section.max_length, dense_at):
+        for configuration in resolve(section.configurations, section, dense_at):
             print(f"  - row {section.name}: {configuration}")
     print(f"and write gpu_check.md, gpu_check_throughput.md, gpu_profile_<device>.md and gpu_check.log in "
           f"{os.path.relpath(args.out, ROOT)}")
@@ -375,7 +375,7 @@ def run_throughput(args, log, deadline: float, gpu: str) -> None:
     running = os.path.join(args.out, "gpu_check_throughput_running")
     combined = os.path.join(args.out, "gpu_check_throughput.md")
     profiles = os.path.join(args.out, f"gpu_profile_{device_slug(gpu)}.md")
-    dense_at = lambda length: auto_takes_dense(DEVICE, length)  # noqa: E731
+    dense_at = lambda section: auto_takes_dense(DEVICE, section.max_length, head_dim(section.model))  # noqa: E731
     for section in chosen_sections(args):
         remaining = deadline - time.monotonic()
         if remaining < section.row_s:

@@ -112,6 +112,12 @@ MODELS = {
                                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                                "tie_word_embeddings": True, "rope_theta": 100_000.0}),
 }
+
+
+def head_dim(model: str) -> int:
+    """The attention head width of `MODELS[model]`."""
+    sizes = MODELS[model][1]
+    return sizes.get("head_dim") or sizes["hidden_size"] // sizes["num_attention_heads"]
 TARGET_MODELS = ("medium",)  # `--also`
 # Configurations that run only when `--only` names them: on CPU the varlen route is what "auto" takes, and compiling
 # a model costs minutes there.
@@ -512,8 +518,9 @@ def main() -> None:
          f"sample of its epoch's micro-batches by attention work, in {args.rounds} interleaved rounds of one "
          f"process each ({args.warmup} warm-up step per process); tokens/s = sum of real tokens / sum of step times"),
         (f"- attention_route='auto' on {args.device} at max_length {args.max_length} takes the "
-         f"{'dense' if auto_takes_dense(args.device, args.max_length) else 'varlen'} route; FlashAttention backends "
-         f"here: {', '.join(flash) or 'none'}"),
+         + ", ".join(f"{'dense' if auto_takes_dense(args.device, args.max_length, head_dim(model)) else 'varlen'} "
+                     f"route for {model}" for model in models)
+         + f"; FlashAttention backends here: {', '.join(flash) or 'none'}"),
         ("- columns: x padded = ratio to padded random order (x group_by_length where that did not run); padding = "
          "pad tokens / tokens in the batch tensor; mask+collate = (collator + transformers' mask builders) / step "
          "wall time; MFU (CUDA, bf16) = model FLOPs / step time / the device's bf16 peak; peak RSS = ru_maxrss of the "

@@ -196,18 +196,24 @@ def test_this_torch_has_the_flash_op_with_autograd():
 
 def test_auto_takes_the_dense_route_where_it_is_faster(monkeypatch):
     """`attention_route="auto"` builds transformers' dense mask where `auto_takes_dense` says so (on CUDA for rows up
-    to 4,096 tokens; a CPU batch stands in for one here), and the varlen layout elsewhere; both exact."""
+    to 4,096 tokens and heads up to 64 wide; a CPU batch stands in for one here), and the varlen layout elsewhere;
+    both exact. The rule is asked with the batch's device and row length and the model's head dim."""
     model = tiny_model("qwen2", "sdpa")
     batch = packed_batch()
-    layouts = []
+    layouts, asked = [], []
     monkeypatch.setattr(varlen, "packed_sdpa_attention", _recording(varlen.packed_sdpa_attention, layouts))
     logits = {}
     for dense in (False, True):
-        monkeypatch.setattr(varlen, "auto_takes_dense", lambda device_type, length, dense=dense: dense)
+        def rule(device_type, length, head_dim, dense=dense):
+            asked.append((device_type, length, head_dim))
+            return dense
+
+        monkeypatch.setattr(varlen, "auto_takes_dense", rule)
         layouts.clear()
         with packing_configured(model, attention_route="auto"), torch.no_grad():
             logits[dense] = model(**{key: batch[key] for key in INPUTS}).logits
         assert bool(layouts) != dense
+    assert set(asked) == {("cpu", batch["input_ids"].shape[1], 16)}  # tiny qwen2: hidden 64 over 4 heads
     real = batch["attention_mask"] > 0
     assert (logits[True] - logits[False])[real].abs().max() <= 1e-5
 

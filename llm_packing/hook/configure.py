@@ -51,8 +51,9 @@ def configure_packing(
             and again after [`unconfigure_packing`]), so that configuring a second time, as
             [`~llm_packing.trainers.sft.PackedSFTTrainer`] does, keeps a forced route. `"auto"`: the varlen route
             (each document's own causal block, memory linear in tokens; see `llm_packing.hook.varlen`) where the
-            architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens (faster there,
-            measured), else transformers' dense `(batch, 1, length, length)` mask. `"dense"` forces the dense mask;
+            architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens and heads up
+            to `varlen.DENSE_ON_CUDA_UP_TO_HEAD_DIM` wide (faster there, measured), else transformers' dense
+            `(batch, 1, length, length)` mask. `"dense"` forces the dense mask;
             `"varlen"` raises unless the varlen route is taken. Other backends ignore `"auto"` and `"dense"`.
 
     Returns:

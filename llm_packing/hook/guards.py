@@ -20,6 +20,7 @@ from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
 from .documents import documents_of
 from .masks import is_integer_mask
+from .varlen import attention_head_dim
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
@@ -34,15 +35,8 @@ def refuse_broken_kernels(model: torch.nn.Module) -> None:
     (relative) away from float32 attention while the forward and the unpacked `flash_attn_func` were right; at 32 and
     64 both were right. Packed rows always take the varlen kernel, so their gradients would be wrong. Idempotent."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "flash_attention_4" and _head_dim(config) < 32:
+    if getattr(config, "_attn_implementation", None) == "flash_attention_4" and attention_head_dim(config) < 32:
         registry.add_forward_pre_hook(input_module(model), "broken kernels", _refuse_small_flash_attention_4_heads)
-
-
-def _head_dim(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None)
-    heads = getattr(text, "num_attention_heads", None)
-    return head_dim or (text.hidden_size // heads if heads else 1 << 30)
 
 
 def _refuse_small_flash_attention_4_heads(module, args, kwargs):
@@ -52,10 +46,11 @@ def _refuse_small_flash_attention_4_heads(module, args, kwargs):
     tensor = input_ids if isinstance(input_ids, torch.Tensor) else kwargs.get("inputs_embeds")
     if _on_cuda(tensor):
         raise UnsupportedSetupError(
-            f"attn_implementation='flash_attention_4' with head_dim {_head_dim(module.config)}: FlashAttention 4's "
-            "varlen backward computes wrong gradients below head dim 32 on CUDA (measured with flash-attn-4 "
-            "4.0.0b36: dq, dk and dv 0.7-1.4 off at head dim 16; forward and head dims 32-64 right), and packed rows "
-            "always take it. Train this model with `attn_implementation='sdpa'` (or 'flash_attention_2'/'_3')."
+            f"attn_implementation='flash_attention_4' with head_dim {attention_head_dim(module.config)}: "
+            "FlashAttention 4's varlen backward computes wrong gradients below head dim 32 on CUDA (measured with "
+            "flash-attn-4 4.0.0b36: dq, dk and dv 0.7-1.4 off at head dim 16; forward and head dims 32-64 right), and "
+            "packed rows always take it. Train this model with `attn_implementation='sdpa'` (or "
+            "'flash_attention_2'/'_3')."
         )
 
 

@@ -29,11 +29,13 @@ from .documents import bucket_bounds, documents_of
 
 
 ROUTES = ("auto", "varlen", "dense")
-# `attention_route="auto"` on CUDA: the dense route for rows up to this length. Measured on an H200 (torch 2.11, bf16,
-# 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 1.95x the varlen route on a 0.5B shape and
-# 0.83x on a 1.5B shape; at 16,384 the varlen route trained 1.49x the dense route (0.5B). Those varlen figures are
-# from torch's `varlen_attn` (cuDNN there), which the route no longer calls: `benchmarks/gpu_check.py` re-measures.
+# `attention_route="auto"` on CUDA: the dense route for rows up to this length, for heads up to this width. Measured on
+# an H200 (torch 2.11, bf16, 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 1.95x the
+# varlen route on a 0.5B shape (head dim 64) and 0.83x on a 1.5B shape (head dim 128); at 16,384 the varlen route
+# trained 1.49x the dense route (0.5B). Those varlen figures are from torch's `varlen_attn` (cuDNN there), which the
+# route no longer calls: `benchmarks/gpu_check.py` re-measures both bounds.
 DENSE_ON_CUDA_UP_TO = 4096
+DENSE_ON_CUDA_UP_TO_HEAD_DIM = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,7 +278,8 @@ def check_route(attention_route, config) -> None:
 
     check_choice("attention_route", attention_route, ROUTES, fix=(
         "'auto' takes the varlen route on sdpa where the architecture allows it (the dense route on CUDA for rows up "
-        f"to {DENSE_ON_CUDA_UP_TO} tokens), 'dense' forces transformers' dense mask."
+        f"to {DENSE_ON_CUDA_UP_TO} tokens and heads up to {DENSE_ON_CUDA_UP_TO_HEAD_DIM} wide), 'dense' forces "
+        "transformers' dense mask."
     ))
     backend = getattr(config, "_attn_implementation", None)
     if attention_route == "varlen":
@@ -300,7 +303,8 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     config = arguments["config"]
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
         return None
-    if _route == "auto" and auto_takes_dense(attention_mask.device.type, attention_mask.shape[-1]):
+    if _route == "auto" and auto_takes_dense(attention_mask.device.type, attention_mask.shape[-1],
+                                             attention_head_dim(config)):
         return None
     if builder_name == "create_sliding_window_causal_mask":
         return packed_attention_mask(attention_mask, window=config.sliding_window)
@@ -309,21 +313,39 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     return packed_attention_mask(attention_mask)
 
 
-def auto_takes_dense(device_type: str, length: int) -> bool:
+def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
     """
-    Whether `attention_route="auto"` takes the dense route for rows of `length` tokens on `device_type`: on CUDA up
-    to `DENSE_ON_CUDA_UP_TO` tokens (faster there, measured), elsewhere never (on CPU the varlen route is faster and
-    its memory linear).
+    Whether `attention_route="auto"` takes the dense route for rows of `length` tokens and attention heads of
+    `head_dim` on `device_type`: on CUDA up to `DENSE_ON_CUDA_UP_TO` tokens and `DENSE_ON_CUDA_UP_TO_HEAD_DIM` (faster
+    there, measured), elsewhere never (on CPU the varlen route is faster and its memory linear).
 
     Example:
     ```python
     >>> from llm_packing.hook.varlen import auto_takes_dense
-    >>> auto_takes_dense("cuda", 2048), auto_takes_dense("cuda", 16384), auto_takes_dense("cpu", 2048)
+    >>> auto_takes_dense("cuda", 4096, 64), auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 16384, 64)
     (True, False, False)
+    >>> auto_takes_dense("cpu", 2048, 64)
+    False
 
     ```
     """
-    return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO
+    return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO and head_dim <= DENSE_ON_CUDA_UP_TO_HEAD_DIM
+
+
+def attention_head_dim(config) -> int:
+    """The width of the attention heads of `config` (its text model's): `head_dim`, else hidden size over heads.
+
+    Example:
+    ```python
+    >>> from transformers import Qwen2Config
+    >>> attention_head_dim(Qwen2Config(hidden_size=1536, num_attention_heads=12))
+    128
+
+    ```
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 1 << 30)
 
 
 # Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
