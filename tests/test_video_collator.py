@@ -26,6 +26,7 @@ from llm_packing.core.image_text import open_image, structured_messages
 from llm_packing.data.pack_image_text import plan_conversations
 from llm_packing.errors import PackingValueError
 from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.support.video import VIDEO_END_TO_END_TYPES
 
 
 # (frames, (width, height), fps): Qwen samples 2 frames a second (4, 6, 2 frames), LLaVA-OneVision 4 of each.
@@ -114,6 +115,10 @@ def decoded_bytes(data: bytes):
 def documents_of(batch: dict, row: int):
     mask = batch["attention_mask"][row]
     return [(int((mask == d).nonzero()[0]), int((mask == d).nonzero()[-1]) + 1) for d in range(1, int(mask.max()) + 1)]
+
+
+def test_the_support_table_calls_these_types_end_to_end():
+    assert set(TYPES) == set(VIDEO_END_TO_END_TYPES)
 
 
 @pytest.mark.parametrize("model_type", TYPES)

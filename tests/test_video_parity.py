@@ -23,7 +23,9 @@ from llm_packing.errors import PackingValueError, UnsupportedSetupError
 from llm_packing.hook import video
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.placeholders import placeholder_mask
-from llm_packing.hook.video import VIDEO_TYPES
+from llm_packing.hook.support import matrix as support_matrix
+from llm_packing.hook.support.image_text import FLASH_BACKENDS, IMAGE_TEXT_BACKENDS, supported_image_text_model_types
+from llm_packing.hook.support.video import VIDEO_TYPES, takes_videos, video_refusal
 
 
 # (frames, (width, height), fps): Qwen samples 2 frames a second of them: 4, 6 and 2 frames (2, 3, 1 temporal
@@ -43,6 +45,9 @@ ROWS = ((0, 1, 2), (3, 4, 5, 6))
 PADDING = 3
 CORE = ("qwen2_5_vl", "qwen3_vl", "llava_onevision")
 TYPES = [pytest.param(t, marks=() if t in CORE else pytest.mark.slow) for t in VIDEO_TYPES]
+# (type, backend) pairs the matrix runs: the support table's video column may call exactly these exact.
+RUNS = [pytest.param(t, backend, marks=() if t in CORE else pytest.mark.slow)
+        for t in VIDEO_TYPES for backend in ("eager", "sdpa")]
 
 
 def video_case(model_type, backend, documents=DOCUMENTS, rows=ROWS, padding=PADDING, seed=20, tiny=None):
@@ -52,9 +57,9 @@ def video_case(model_type, backend, documents=DOCUMENTS, rows=ROWS, padding=PADD
     return pack(tiny, processed, rows, padding)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize(("model_type", "backend"), RUNS)
 def test_packed_rows_with_videos_equal_documents_alone(model_type, backend):
+    assert video_refusal(model_type, backend) is None
     case = video_case(model_type, backend)
     assert "pixel_values_videos" in case.batch
     worst = max(differences(case, packed_logits(case), alone_logits(case.model, case.documents)))
@@ -174,9 +179,31 @@ def test_a_video_moved_into_the_next_document_is_refused(model_type):
         packed_logits(broken_case)
 
 
+def test_every_exact_video_cell_is_a_run_of_the_matrix():
+    runs = {tuple(param.values) for param in RUNS}
+    for model_type in supported_image_text_model_types():
+        exact = [b for b in IMAGE_TEXT_BACKENDS + FLASH_BACKENDS if video_refusal(model_type, b) is None]
+        assert {(model_type, backend) for backend in exact} <= runs, model_type
+        cell = support_matrix._video_cell(model_type)
+        assert cell.startswith(f"exact on {', '.join(exact)} (") if exact else cell.startswith(("n/a: ", "refused: "))
+    assert {model_type for model_type, _ in runs} == set(VIDEO_TYPES)
+
+
+def test_no_video_input_is_read_from_the_model_class():
+    """Every video type's class takes `pixel_values_videos`; LLaVA's does not, and InternVL's processor passes a
+    video's frames as images."""
+    assert all(takes_videos(model_type) for model_type in VIDEO_TYPES)
+    assert takes_videos("glm4v") and not takes_videos("llava") and not takes_videos("internvl")
+    assert support_matrix._video_cell("llava").startswith("n/a: no video input")
+    assert "frames as images" in support_matrix._video_cell("internvl")
+    assert support_matrix._video_cell("glm4v").startswith("refused: not in the video parity matrix")
+
+
 def test_videos_of_an_unproven_type_are_refused():
     with pytest.raises(UnsupportedSetupError, match="not in the video parity matrix"):
         video.refuse_media_not_packed("glm4v", "sdpa", {"pixel_values_videos": torch.zeros(1)})
+    with pytest.raises(UnsupportedSetupError, match="no video input"):
+        video.refuse_media_not_packed("llava", "sdpa", {"pixel_values_videos": torch.zeros(1)})
     with pytest.raises(UnsupportedSetupError, match="attn_implementation='flex_attention'"):
         video.refuse_media_not_packed("llava_onevision", "flex_attention", {"pixel_values_videos": torch.zeros(1)})
     with pytest.raises(UnsupportedSetupError, match="not audio"):

@@ -2,7 +2,7 @@
 
 One packed row holds a text document, a document with two images of different shapes (made by the model's own
 processor, so placeholders, pixels and grids are what training sees) and another text document, then padding. For a
-type that packs videos (`hook.video.VIDEO_TYPES`) whose processor has a video processor, the document holds a video
+type that packs videos (`support.video.VIDEO_TYPES`) whose processor has a video processor, the document holds a video
 too (8 frames of seeded noise at 4 fps, sampled by the video processor as in training). The
 image document's media go to the model as the processor made them; its token-aligned columns (`mm_token_type_ids`,
 `token_type_ids`, Mllama's `cross_attention_mask`) are laid into the row at the document's place. Each document's
@@ -25,7 +25,7 @@ _TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_typ
 
 def includes_video(model_type: str, processor) -> bool:
     """Whether the image document of `processor` holds a video: its type packs videos, and it has a video processor."""
-    from .video import VIDEO_TYPES
+    from .support.video import VIDEO_TYPES
 
     return model_type in VIDEO_TYPES and getattr(processor, "video_processor", None) is not None
 

@@ -5,9 +5,8 @@ A video is packed the way an image is: its features fill its placeholder tokens 
 placeholders must lie in one document and the videos must fill the batch's video placeholders exactly
 (`placeholders.unit_owners`). mRoPE models also give video tokens temporal positions, which `hook.mrope` computes per
 document from that document's own `video_grid_thw` (and Qwen2.5-VL's `second_per_grid_ts`, the seconds one temporal
-patch spans). `VIDEO_TYPES` are the types `tests/test_video_parity.py` proved on `VIDEO_BACKENDS`: rows of 2 to 4
-documents with 0 to 2 videos and images each give every document its logits alone within 1e-5 (float32). Video of
-any other type, and audio of every type, is refused.
+patch spans). Which types pack videos, on which backends, and why the others are refused is data
+(`support.video`: `VIDEO_TYPES`, `video_refusal`); audio of every type is refused.
 """
 
 import math
@@ -19,18 +18,8 @@ import torch
 from ..errors import PackingValueError, UnsupportedSetupError
 from .documents import ForwardDocuments
 from .placeholders import unit_owners
+from .support.video import VIDEO_BACKENDS, VIDEO_TYPES, video_refusal
 
-
-MROPE_VIDEO = "mRoPE: 3-D positions with temporal steps per document"
-VIDEO_TOKENS = "video tokens: text isolation, frames in packed order"
-VIDEO_BACKENDS = ("eager", "sdpa")
-
-# model_type -> how its documents' videos are kept apart. Proven by tests/test_video_parity.py (CPU, float32,
-# tolerance 1e-5); edit only together with a passing matrix.
-VIDEO_TYPES: dict[str, str] = {
-    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), MROPE_VIDEO),
-    "llava_onevision": VIDEO_TOKENS,
-}
 
 # Forward arguments that carry one value per video, in packed order.
 VIDEO_ARGUMENTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -72,18 +61,16 @@ def refuse_media_not_packed(model_type: str, backend: str | None, given: dict) -
     videos = sorted(name for name in given if is_video_argument(name))
     if not videos:
         return
-    if model_type not in VIDEO_TYPES:
-        raise UnsupportedSetupError(
-            f"A packed batch of model_type {model_type!r} carries {', '.join(videos)}: its videos are not in the "
-            f"video parity matrix. Types packed with their videos: {', '.join(sorted(VIDEO_TYPES))}. Train this "
-            "model's video rows unpacked, or leave the videos out."
-        )
-    if backend not in VIDEO_BACKENDS:
-        raise UnsupportedSetupError(
-            f"A packed batch of model_type {model_type!r} carries videos on attn_implementation={backend!r}: the "
-            f"video parity matrix proved {', '.join(VIDEO_BACKENDS)}. Use `configure_packing(model, "
-            "attn_implementation='sdpa')`, or train the video rows unpacked."
-        )
+    reason = video_refusal(model_type, backend)
+    if reason is None:
+        return
+    fix = ("Use `configure_packing(model, attn_implementation='sdpa')`, or train the video rows unpacked."
+           if model_type in VIDEO_TYPES else "Train this model's video rows unpacked, or leave the videos out.")
+    raise UnsupportedSetupError(
+        f"A packed batch of model_type {model_type!r} on attn_implementation={backend!r} carries {', '.join(videos)}: "
+        f"{reason}. Types packed with their videos: {', '.join(sorted(VIDEO_TYPES))}, on "
+        f"{', '.join(VIDEO_BACKENDS)}. {fix}"
+    )
 
 
 def documents_of_videos(

@@ -31,6 +31,7 @@ from .image_text import (
 )
 from .releases import backend_too_old
 from .sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES, SEQUENCE_PARALLEL_PROOF
+from .video import VIDEO_END_TO_END_TYPES, VIDEO_TYPES, no_video_input, video_refusal
 
 
 def _flash_substitute(model_type: str, backend: str) -> str | None:
@@ -136,6 +137,24 @@ def _image_text_cell(model_type: str, backend: str) -> str:
     return "exact"
 
 
+def video_exact_backends(model_type: str) -> tuple[str, ...]:
+    """The backends on which packed batches with videos of the image-text `model_type` are exact."""
+    return tuple(b for b in IMAGE_TEXT_BACKENDS + FLASH_BACKENDS if video_refusal(model_type, b) is None)
+
+
+def _video_cell(model_type: str) -> str:
+    """The video column of a proven image-text type: where its videos are exact (and which test runs them), or why
+    they are refused."""
+    exact = video_exact_backends(model_type)
+    if not exact:
+        return f"{'n/a' if no_video_input(model_type) else 'refused'}: {video_refusal(model_type, None)}"
+    tests = "`tests/test_video_parity.py`" + (
+        ", end to end `tests/test_video_collator.py`" if model_type in VIDEO_END_TO_END_TYPES else "")
+    refused = [b for b in PROVEN_IMAGE_TEXT_TYPES[model_type].backends if b not in exact]
+    cell = f"exact on {', '.join(exact)} ({tests})"
+    return cell + (f"; refused on {', '.join(refused)}: not in the video parity matrix" if refused else "")
+
+
 def _image_text_offers_flash(model_type: str) -> bool:
     """Whether transformers offers FlashAttention for the image-text class of `model_type`."""
     import transformers
@@ -145,8 +164,8 @@ def _image_text_offers_flash(model_type: str) -> bool:
 
 
 def image_text_lines() -> list[str]:
-    """The image-text tables: types packed with their images (and on which backends), and the others with the reason
-    their images are refused."""
+    """The image-text tables: types packed with their images (and on which backends, with their videos too), and the
+    others with the reason their images are refused."""
     backends = IMAGE_TEXT_BACKENDS + FLASH_BACKENDS
     supported = supported_image_text_model_types()
     lines = [
@@ -168,13 +187,23 @@ def image_text_lines() -> list[str]:
         "segments: those families' packed batches with images are refused there (transformers offers them no "
         "FlashAttention either; text-only batches follow the table above).",
         "",
-        "| model_type | mechanism | " + " | ".join(backends) + " |",
-        "|---|---|" + "---|" * len(backends),
+        "`video` (`llm_packing.hook.support.video`, the data the hook refuses videos by): `exact on B`: packed rows "
+        "of 2 to 4 documents with 0 to 2 videos (real clips through the model's own video processor) and images each "
+        "give every document's logits alone within 1e-5 (float32) on backends B, fixed and random layouts, run by "
+        "`tests/test_video_parity.py` ("
+        + "; ".join(f"{m} for {', '.join(t for t in VIDEO_TYPES if VIDEO_TYPES[t] == m)}"
+                    for m in dict.fromkeys(VIDEO_TYPES.values()))
+        + "); `end to end`: `pack_dataset` plans MP4 clips, the collator decodes them, and each packed document "
+        "equals itself alone. `refused`: the hook raises for packed batches with videos there, with the reason. "
+        "`n/a: no video input`: the model's forward takes no videos (`pixel_values_videos`).",
+        "",
+        "| model_type | mechanism | " + " | ".join(backends) + " | video |",
+        "|---|---|" + "---|" * len(backends) + "---|",
     ]
     for model_type in supported:
         cells = [_image_text_cell(model_type, backend) for backend in backends]
         family = PROVEN_IMAGE_TEXT_TYPES[model_type].family
-        lines.append(f"| {model_type} | {family} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model_type} | {family} | " + " | ".join(cells) + f" | {_video_cell(model_type)} |")
     refused = refused_image_text_model_types()
     lines += ["", f"## Image-text models whose images are refused ({len(refused)})", "",
               "| model_type | reason |", "|---|---|"]
