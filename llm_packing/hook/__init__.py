@@ -4,10 +4,11 @@ every backend, and `unconfigure_packing()` undoes it.
 - `configure`: configure / unconfigure, the mask-builder wrappers and the backend routes;
 - `chunked`: chunked attention per document on transformers < 5.23, whose packed masks chunk along the row;
 - `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
-- `varlen`: sdpa's per-document route without an `L x L` mask;
+- `varlen`: sdpa's per-document route without an `L x L` mask (the heads' width read by `shapes`);
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
 - `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
 - `alibi`: ALiBi biases per document;
+- `guards`: training batches without documents, and kernels measured wrong on packed rows, refused;
 - `cache`: the KV cache of a packed forward refused with the fix, an image-text model's top-level `use_cache=False`
   passed on to its text model;
 - `multimodal`: media inputs in packed batches: images of the proven image-text types prepared by `image_text`

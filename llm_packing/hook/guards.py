@@ -20,7 +20,7 @@ from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
 from .documents import documents_of
 from .masks import is_integer_mask
-from .varlen import attention_head_dim
+from .shapes import attention_head_dim
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:

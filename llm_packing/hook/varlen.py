@@ -26,6 +26,7 @@ from ..core.rows import position_ids
 from ..errors import UnsupportedSetupError
 from . import registry
 from .documents import bucket_bounds, documents_of
+from .shapes import attention_head_dim
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -330,22 +331,6 @@ def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
     ```
     """
     return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO and head_dim <= DENSE_ON_CUDA_UP_TO_HEAD_DIM
-
-
-def attention_head_dim(config) -> int:
-    """The width of the attention heads of `config` (its text model's): `head_dim`, else hidden size over heads.
-
-    Example:
-    ```python
-    >>> from transformers import Qwen2Config
-    >>> attention_head_dim(Qwen2Config(hidden_size=1536, num_attention_heads=12))
-    128
-
-    ```
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 1 << 30)
 
 
 # Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
