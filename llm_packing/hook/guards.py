@@ -20,7 +20,7 @@ from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
 from .documents import documents_of
 from .masks import is_integer_mask
-from .shapes import attention_head_dim
+from .shapes import attention_head_dims
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
@@ -35,7 +35,8 @@ def refuse_broken_kernels(model: torch.nn.Module) -> None:
     (relative) away from float32 attention while the forward and the unpacked `flash_attn_func` were right; at 32 and
     64 both were right. Packed rows always take the varlen kernel, so their gradients would be wrong. Idempotent."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "flash_attention_4" and attention_head_dim(config) < 32:
+    if getattr(config, "_attn_implementation", None) == "flash_attention_4" and min(
+            attention_head_dims(config), default=32) < 32:
         registry.add_forward_pre_hook(input_module(model), "broken kernels", _refuse_small_flash_attention_4_heads)
 
 
@@ -46,7 +47,7 @@ def _refuse_small_flash_attention_4_heads(module, args, kwargs):
     tensor = input_ids if isinstance(input_ids, torch.Tensor) else kwargs.get("inputs_embeds")
     if _on_cuda(tensor):
         raise UnsupportedSetupError(
-            f"attn_implementation='flash_attention_4' with head_dim {attention_head_dim(module.config)}: "
+            f"attn_implementation='flash_attention_4' with head_dim {min(attention_head_dims(module.config))}: "
             "FlashAttention 4's varlen backward computes wrong gradients below head dim 32 on CUDA (measured with "
             "flash-attn-4 4.0.0b36: dq, dk and dv 0.7-1.4 off at head dim 16; forward and head dims 32-64 right), and "
             "packed rows always take it. Train this model with `attn_implementation='sdpa'` (or "

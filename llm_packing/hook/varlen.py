@@ -26,7 +26,7 @@ from ..core.rows import position_ids
 from ..errors import UnsupportedSetupError
 from . import registry
 from .documents import bucket_bounds, documents_of
-from .shapes import attention_head_dim
+from .shapes import attention_head_dims
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -305,7 +305,7 @@ def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.T
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
         return None
     if _route == "auto" and auto_takes_dense(attention_mask.device.type, attention_mask.shape[-1],
-                                             attention_head_dim(config)):
+                                             max(attention_head_dims(config), default=0)):
         return None
     if builder_name == "create_sliding_window_causal_mask":
         return packed_attention_mask(attention_mask, window=config.sliding_window)
