@@ -24,6 +24,7 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import test_parity  # noqa: E402  (the matrix's references and comparison, with its tiny models)
+from publish import publish  # noqa: E402 -- a sibling under benchmarks/
 from random_layouts import ISSUE_25_LAYOUT, draw_layout  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
@@ -121,10 +122,7 @@ def main(argv=None) -> None:
         "",
         *table(results),
     ]
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
+    publish(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import socket
 import subprocess
 import sys
 
+from publish import publish
+
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,11 +126,7 @@ def main() -> None:
              f"- one packed row of {args.length:,} tokens; N processes on gloo, one thread each",
              "", "| N | tokens per rank | documents | peak RSS rise per rank, MiB | largest vs N = 1 | step s |",
              "|---|---|---|---|---|---|", *rows]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".md", "w") as file:
-        file.write(report)
+    publish(lines, args.output + ".md")
 
 
 if __name__ == "__main__":

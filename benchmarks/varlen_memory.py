@@ -19,6 +19,8 @@ import platform
 import subprocess
 import sys
 
+from publish import publish
+
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,11 +127,7 @@ def main() -> None:
         else:
             lines.append(f"| {p['length']:,} | {p['documents']} | {p['route']} | {p['rise_mib']:,.0f} | "
                          f"{p['step_s']:.2f} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".md", "w") as file:
-        file.write(report)
+    publish(lines, args.output + ".md")
     plot(points, args.output + ".png")
 
 

@@ -29,6 +29,7 @@ import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from publish import publish  # noqa: E402 -- a sibling under benchmarks/
 from test_verify_leaks import PARITY_TOLERANCE, InjectedLeak, parity_difference  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
@@ -178,10 +179,7 @@ def main(argv=None) -> None:
         "",
         *details(measured),
     ]
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
+    publish(lines, args.output)
 
 
 if __name__ == "__main__":

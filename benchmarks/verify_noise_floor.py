@@ -21,6 +21,7 @@ import time
 
 import torch
 import transformers
+from publish import publish
 
 from llm_packing import packing_configured
 from llm_packing.demo.pretrained import load_bundled_model
@@ -95,10 +96,7 @@ def main(argv=None) -> None:
         "|---|---|---|---|---|---|---|---|---|",
         *lines,
     ]
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(report) + "\n")
-    print("\n".join(report))
+    publish(report, args.output)
 
 
 if __name__ == "__main__":
