@@ -214,10 +214,16 @@ RANDOM_SEEDS = range(4)
     pytest.param(t, marks=() if t in ("qwen2_5_vl", "gemma3") else pytest.mark.slow) for t in SPECS
 ])
 def test_random_layouts(model_type, seed):
-    documents, rows, padding = random_layout(seed, model_type)
+    assert_drawn_layout_exact(make_case, model_type, seed, random_layout(seed, model_type))
+
+
+def assert_drawn_layout_exact(make, model_type: str, seed: int, layout) -> None:
+    """A drawn `layout` (documents, rows, padding) built by `make` (`make_case` or the video tests' `video_case`) on
+    eager and sdpa: every document's logits within `TOLERANCE` of it alone; the layout and differences printed."""
+    documents, rows, padding = layout
     print(f"{model_type}: seed {seed}, documents {documents}, rows {rows}, padding {padding}")
     for backend in ("eager", "sdpa"):
-        case = make_case(model_type, backend, documents, rows, padding, seed=100 * seed)
+        case = make(model_type, backend, documents, rows, padding, seed=100 * seed)
         worst = max(differences(case, packed_logits(case), alone_logits(case.model, case.documents)))
         print(f"random {model_type} {backend} seed {seed}: {worst:.2e}")
         assert worst <= TOLERANCE, (model_type, backend, f"seed {seed}", worst)

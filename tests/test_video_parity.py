@@ -15,7 +15,14 @@ import random
 import pytest
 import torch
 from test_image_text_controls import _hooked_positions
-from test_image_text_parity import TOLERANCE, alone_logits, differences, pack, packed_logits
+from test_image_text_parity import (
+    TOLERANCE,
+    alone_logits,
+    assert_drawn_layout_exact,
+    differences,
+    pack,
+    packed_logits,
+)
 from tiny_image_text import model_inputs
 from tiny_video import TinyVideo
 
@@ -91,13 +98,7 @@ def random_layout(seed: int, model_type: str):
     pytest.param(t, marks=() if t == "qwen2_5_vl" else pytest.mark.slow) for t in VIDEO_TYPES
 ])
 def test_random_layouts_with_videos(model_type, seed):
-    documents, rows, padding = random_layout(seed, model_type)
-    print(f"{model_type}: seed {seed}, documents {documents}, rows {rows}, padding {padding}")
-    for backend in ("eager", "sdpa"):
-        case = video_case(model_type, backend, documents, rows, padding, seed=100 * seed)
-        worst = max(differences(case, packed_logits(case), alone_logits(case.model, case.documents)))
-        print(f"random video {model_type} {backend} seed {seed}: {worst:.2e}")
-        assert worst <= TOLERANCE, (model_type, backend, f"seed {seed}", worst)
+    assert_drawn_layout_exact(video_case, model_type, seed, random_layout(seed, model_type))
 
 
 @pytest.mark.parametrize("model_type", TYPES)
