@@ -166,6 +166,23 @@ def test_concurrent_image_text_forwards_each_get_their_own_documents(model_type,
     assert max(differences) <= TOLERANCE, differences
 
 
+def test_concurrent_video_forwards_each_get_their_own_documents():
+    """The per-forward video state (each document's video grids and temporal mRoPE steps) belongs to that forward:
+    three drawn layouts with videos and images, hammered on one Qwen2.5-VL."""
+    from test_video_parity import random_layout, video_case
+    from tiny_video import TinyVideo
+
+    tiny = TinyVideo("qwen2_5_vl", "sdpa")
+    batches = []
+    for seed in range(3):
+        documents, rows, padding = random_layout(seed, "qwen2_5_vl")
+        batches.append(video_case("qwen2_5_vl", "sdpa", documents, rows, padding, seed=10 * seed, tiny=tiny).batch)
+    assert all("pixel_values_videos" in batch for batch in batches)
+    with packing_configured(tiny.model):
+        differences = _hammer([tiny.model] * THREADS, batches, logits=_image_text_logits)
+    assert max(differences) <= TOLERANCE, differences
+
+
 def test_concurrent_forwards_on_flex_attention():
     model = tiny_model("llama", "flex_attention")
     with traced_flex(), packing_configured(model):
