@@ -174,6 +174,22 @@ def test_packed_sft_trainer_matches_unpacked(tmp_path, tokenizer, attn_implement
     assert packed_loss == pytest.approx(unpacked_first_loss(tmp_path, tokenizer, attn_implementation), abs=1e-5)
 
 
+@pytest.mark.slow
+def test_logged_token_counts_are_the_tokens_trained_not_the_indexed_mask_sum(tmp_path, tokenizer):
+    # TRL's `num_tokens` and transformers' `num_input_tokens_seen` ("non_padding") sum the attention_mask: on indexed
+    # masks that counted document numbers (133 for the first 63 tokens here).
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=2, logging_steps=1,
+                     include_num_input_tokens_seen="non_padding", **QUIET)
+    trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=packed, processing_class=tokenizer)
+    assert int(first_batch(trainer)["attention_mask"].max()) > 2
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
+    steps_per_epoch = len(logged) // 2
+    assert [entry["num_tokens"] for entry in logged][steps_per_epoch - 1 :: steps_per_epoch] == [95, 190]
+    assert trainer.state.num_input_tokens_seen == 190
+
+
 def test_packed_sft_trainer_leaves_the_callers_config_alone(tmp_path, tokenizer):
     args = SFTConfig(output_dir=str(tmp_path), **QUIET)
     trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),

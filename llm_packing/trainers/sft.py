@@ -26,6 +26,7 @@ from ..hook.verify import configure_and_verify
 from . import sequence_parallel
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 from .sft_data import check_format, column_names, is_packed, pack_documents
+from .token_counts import recount_num_tokens, with_binary_mask
 
 
 # `SFTConfig()`'s own max_length: for rows packed already, a value the user most likely never chose, so the packed
@@ -208,12 +209,22 @@ class PackedSFTTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; under sequence parallelism, on this rank's piece of the batch (training only: evaluation runs
-        whole rows on every rank)."""
+        whole rows on every rank). TRL's `num_tokens` log counts tokens, not the indexed mask's sum
+        (`token_counts.py`)."""
         group = self._sequence_parallel[1]
         if group is not None and model.training:
             inputs, num_items_in_batch = sequence_parallel.piece_of(inputs, group, num_items_in_batch)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+        counts_tokens = self.model.training and "attention_mask" in inputs and hasattr(self, "_total_train_tokens")
+        total_before = self._total_train_tokens if counts_tokens else None
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
+        if counts_tokens:  # TRL summed the indexed mask
+            recount_num_tokens(self, inputs, total_before)
+        return loss
+
+    def _track_num_input_tokens(self, inputs):
+        """transformers' `include_num_input_tokens_seen="non_padding"`, counting tokens, not document numbers."""
+        super()._track_num_input_tokens(with_binary_mask(inputs))
 
     def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
