@@ -5,8 +5,11 @@
     python benchmarks/train_throughput.py --device cuda --dtype bf16 --model 1.5b --also --rows 1 --accumulation 4 \
         --max-length 4096 --datasets conversations --only "llm_packing rows|flash_attention_4"   # GPU: gpu_check.py
 
-Every step is forward + backward of `--accumulation` micro-batches (default 1) + one AdamW step on a freshly
-initialised model built from a config, on a budget of `--rows` x `--max-length` tokens a micro-batch: packed
+Every step is forward + backward of `--accumulation` micro-batches (default 1) + one optimizer step on a freshly
+initialised model built from a config, as `SFTTrainer` runs it with its defaults: the loss by TRL's fused LM head
+(`add_fused_lm_head`: the head and log-softmax in tiles over the scored positions, never the whole float32 logits;
+`--loss model` for the model's own loss, as a plain `Trainer` computes it), the gradient norm clipped at 1.0, fused
+AdamW. Each micro-batch takes a budget of `--rows` x `--max-length` tokens: packed
 configurations take `--rows` packed rows, padded ones take documents in order until the next would exceed the same
 number of real tokens. `--model` runs every configuration below; each model of `--also` (default: medium, where
 attention is a smaller share of the step) runs the three the targets compare.
@@ -114,6 +117,13 @@ MODELS = {
 }
 
 
+# SFTTrainer's fused LM head outputs (`add_fused_lm_head`): the log-probabilities, and entropy and top-1 for its logs.
+TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
+LOSSES = {"trl": "loss by TRL's fused LM head as SFTTrainer computes it (the head in tiles over the scored positions, "
+                 "a Triton kernel on CUDA)",
+          "model": "loss by the model over its whole float32 logits (a plain Trainer's)"}
+
+
 def head_dim(model: str) -> int:
     """The attention head width of `MODELS[model]`."""
     sizes = MODELS[model][1]
@@ -135,7 +145,7 @@ def configurations(flash: list[str]) -> list[tuple[str, str]]:
     packed = ["sdpa", "eager", "flex_attention", *flash]
     return ([BASELINE, GROUP_BY_LENGTH, GLOBAL_SORT] + [(GROUP_BY_LENGTH[0], b) for b in flash]
             + [(OURS, b) for b in packed]
-            + [(DENSE_ROUTE, "sdpa"), (VARLEN_ROUTE, "sdpa"), (COMPILED, "sdpa")]
+            + [(DENSE_ROUTE, "sdpa"), (VARLEN_ROUTE, "sdpa")] + [(COMPILED, b) for b in ["sdpa", *flash]]
             + [("llm_packing padding_free", "sdpa")]
             + [(TRL, b) for b in ["sdpa", *flash]])
 
@@ -298,6 +308,10 @@ def build(name: str, backend: str, args):
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config)
+    if args.loss == "trl":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=TRL_FUSED_OUTPUTS)
     if name.startswith(("padded", "TRL")):
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -373,14 +387,15 @@ def run_configuration(args) -> dict:
     steps = [micro[i : i + args.accumulation] for i in range(0, len(micro), args.accumulation)]
     steps = steps[:1] * args.warmup + steps
     model, collator = build(name, backend, args)
-    weights = matmul_weights(model)
+    weights, head_weights = matmul_weights(model), model.get_output_embeddings().weight.numel()
+    fused_head = {"fused_lm_head": True} if args.loss == "trl" else {}
     # A compiled model's mask builders run outside its graphs; wrapping them for timing would only add graph breaks.
     spent = {"s": 0.0} if name == COMPILED else time_mask_builders(model)
     mixer_time = time_mixers(model, sync)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     forward = torch.compile(model) if name == COMPILED else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # Trainer's default "adamw_torch_fused"
     # bf16 as Trainer's `bf16=True` runs it: fp32 master weights under autocast.
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -397,11 +412,12 @@ def run_configuration(args) -> dict:
             collating = time.perf_counter()
             batch = collator(features)
             record["mask"] += time.perf_counter() - collating
+            scored = int((batch["labels"][:, 1:] != -100).sum()) if fused_head else None  # on the host: no sync
             batch = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             spent["s"] = 0.0
             mixer_time.update(mixer=0.0, inner=0.0)
             with autocast:
-                loss = forward(**batch).loss
+                loss = forward(**batch, **fused_head).loss
             (loss / len(micro_batches)).backward()
             losses.append(loss.detach())
             lengths = document_lengths(features)
@@ -410,7 +426,8 @@ def run_configuration(args) -> dict:
             record["rebatch"] += mixer_time["mixer"] - mixer_time["inner"] if mixer_time["inner"] else 0.0
             record["real"] += sum(lengths)
             record["tensor"] += batch["input_ids"].numel()
-            record["flops"] += step_flops(weights, model.config, lengths)
+            record["flops"] += step_flops(weights, model.config, lengths, head_weights, scored)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # Trainer's max_grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
@@ -466,6 +483,9 @@ def main() -> None:
                         "one), for a machine without the demo extra")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--loss", choices=("trl", "model"), default="trl",
+                        help="trl (default): TRL's fused LM head, as SFTTrainer computes its loss; model: the model's "
+                        "own loss over the whole logits, as a plain Trainer does")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="as Trainer's gradient_checkpointing=True (recomputation is not counted in MFU)")
     # One intra-op thread by default: on 2 cores shared with other jobs, a second thread stalls at every OpenMP barrier
@@ -511,7 +531,8 @@ def main() -> None:
          f"{f', GPU {torch.cuda.get_device_name()}' if args.device == 'cuda' else ''}"),
         f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine)",
         *(f"- model {model}: {MODELS[model][0]}, {MODELS[model][1]}" for model in models),
-        (f"- {args.device}, {args.dtype}, torch threads: {args.threads}, AdamW"
+        (f"- {args.device}, {args.dtype}, torch threads: {args.threads}, AdamW (fused) with the gradient norm clipped "
+         f"at 1.0 (Trainer's defaults), {LOSSES[args.loss]}"
          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"),
         (f"- budget: {args.accumulation} x {args.rows} x {args.max_length} = {tokens:,} tokens per step "
          f"(micro-batches x rows x max_length); {args.steps} measured steps per configuration, a systematic "

@@ -58,23 +58,26 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
     assert "- exactness, compiled packed steps: python benchmarks/gpu_compile_check.py --json <file>" in lines
     sections = [line for line in lines if line.startswith("- throughput ")]
     assert [line.split(",")[0] for line in sections] == [
-        "- throughput 0.5b-4096", "- throughput 0.5b-16384", "- throughput 1.5b-4096", "- throughput compiled",
-        "- throughput 1.5b-16384"]
+        "- throughput 1.5b-4096", "- throughput 0.5b-4096", "- throughput 0.5b-16384", "- throughput 1.5b-16384"]
     assert all("python benchmarks/train_throughput.py --model " in line and "--device cuda --dtype bf16" in line
                for line in sections)
-    assert "(cumulative 249 s, fits)" in sections[0] and "over --budget-s: skipped" in sections[-1]
-    assert "--accumulation 2" in sections[0] and "--max-length 16384" in sections[1]
-    assert "--gradient-checkpointing" in sections[-1] and "--profile 'llm_packing rows|sdpa'" in sections[0]
+    # 35 s of setup + 5 rows x 18 s + the compiled row's 18 s + 150 s of compiling, after 120 s of exactness checks.
+    assert "estimated 293 s (cumulative 413 s, fits)" in sections[0] and "over --budget-s: skipped" in sections[-1]
+    assert "--accumulation 4" in sections[0] and "--max-length 16384" in sections[2]
+    assert "--row-timeout-s 336" in sections[0]  # twice the compiled row's estimate
+    assert "--gradient-checkpointing" in sections[-1] and "--profile 'llm_packing rows|sdpa'" in sections[1]
     rows = [line.strip() for line in lines if line.startswith("  - row ")]
     fa4, trl, ours, padded = "flash_attention_4", "TRL packing (bfd + padding-free)", "llm_packing rows", \
         "padded, group_by_length"
-    # At 4,096 tokens `auto` takes the dense route on CUDA, so the other sdpa row is the varlen route; at 16,384 the
-    # other way round.
+    # At 4,096 tokens `auto` takes the dense route on CUDA for head dim 64 (0.5B), so the other sdpa row is the varlen
+    # route; for head dim 128 (1.5B) and at 16,384 it is the other way round.
     assert [row.split(": ", 1)[1] for row in rows if row.startswith("- row 0.5b-4096")] == [
         f"{ours}|sdpa", f"{ours}, varlen route|sdpa", f"{ours}|{fa4}", f"{trl}|sdpa", f"{trl}|{fa4}",
-        f"{padded}|sdpa", f"{padded}|{fa4}"]
-    assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows and f"- row 1.5b-4096: {ours}|{fa4}" in rows
-    assert f"- row compiled: {ours}, compiled|sdpa" in rows and f"- row 1.5b-16384: {trl}|{fa4}" in rows
+        f"{padded}|sdpa", f"{padded}|{fa4}", f"{ours}, compiled|sdpa"]
+    assert [row.split(": ", 1)[1] for row in rows if row.startswith("- row 1.5b-4096")] == [
+        f"{ours}|{fa4}", f"{trl}|{fa4}", f"{ours}|sdpa", f"{ours}, dense mask|sdpa", f"{trl}|sdpa",
+        f"{ours}, compiled|{fa4}"]
+    assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows and f"- row 1.5b-16384: {trl}|{fa4}" in rows
 
 
 def test_bundle_install_is_pip_from_the_folder_and_archives_into_site_packages(tmp_path):
@@ -168,6 +171,41 @@ def test_throughput_on_cpu_with_accumulation_and_a_profile(tmp_path):
     profile = (tmp_path / "throughput_profile.md").read_text()
     assert profile.startswith("### llm_packing rows | sdpa: tiny model, conversations, 2 x 2 x 64 tokens")
     assert "| operator | calls | self CPU ms | share |" in profile
+
+
+@pytest.mark.parametrize("name", ["llm_packing rows", "TRL packing (bfd + padding-free)", "padded, group_by_length"])
+def test_the_benchmarks_loss_is_sft_trainers_fused_head_and_equals_the_models_own(name):
+    """`--loss trl` (the default) computes the loss as SFTTrainer does, by TRL's fused LM head; it is the model's own
+    loss, not a cheaper stand-in; and MFU counts the head only on the positions it scores."""
+    from llm_packing import pack_dataset, unconfigure_packing
+
+    train_throughput = load("train_throughput")
+    rng = torch.Generator().manual_seed(0)
+    lengths = [9, 30, 4, 17, 25, 11]
+    ids = [torch.randint(3, 4096, (n,), generator=rng).tolist() for n in lengths]
+    documents = datasets.Dataset.from_dict({"input_ids": ids, "labels": [[-100] * 3 + row[3:] for row in ids]})
+    features = list(documents if name.startswith("padded") else
+                    (trl_pack(documents, 64) if name.startswith("TRL") else pack_dataset(documents, 64)))
+    losses = {}
+    try:
+        for loss in ("trl", "model"):
+            args = types.SimpleNamespace(model="tiny", max_length=64, seed=0, device="cpu", loss=loss)
+            model, collator = train_throughput.build(name, "sdpa", args)
+            batch = collator(features)
+            losses[loss] = model(**batch, **({"fused_lm_head": True} if loss == "trl" else {})).loss
+    finally:
+        unconfigure_packing()
+    assert losses["trl"].item() == pytest.approx(losses["model"].item(), rel=1e-5)
+    flops = load("model_flops")
+    config = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, hidden_size=64)
+    assert flops.step_flops(1000, config, lengths, head_weights=300, scored_tokens=80) == \
+        flops.step_flops(1000, config, lengths) - 6 * 300 * (sum(lengths) - 80)
+
+
+def trl_pack(documents, max_length):
+    from trl.data_utils import pack_dataset
+
+    return pack_dataset(documents, max_length, strategy="bfd")
 
 
 @pytest.mark.slow
