@@ -150,7 +150,7 @@ def test_torch_flash_varlen_op_with_a_cpu_stand_in(monkeypatch):
     batch = packed_batch()
     with packing_configured(model), torch.no_grad():
         expected = model(**{key: batch[key] for key in INPUTS}).logits
-        monkeypatch.setattr(varlen, "_use_torch_varlen", lambda *args: True)
+        monkeypatch.setattr(varlen, "_flash_varlen_runs", lambda *args: True)
         monkeypatch.setattr(varlen, "flash_varlen_op", lambda: stand_in)
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
@@ -171,15 +171,15 @@ def test_the_flash_op_runs_only_where_its_kernel_does(monkeypatch):
                                      device=types.SimpleNamespace(index=0))
 
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
-    assert varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+    assert varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
     for query in (tensor(is_cuda=False), tensor(dtype=torch.float32), tensor(dim=20), tensor(dim=512)):
-        assert not varlen._use_torch_varlen(query, query, query, 0.0)
-    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.1)  # dropout
+        assert not varlen._flash_varlen_runs(query, query, query, 0.0)
+    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.1)  # dropout
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: False)  # a T4, or ROCm
-    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
     monkeypatch.setattr(varlen, "flash_varlen_op", lambda: None)  # a torch whose op has no sliding window
-    assert not varlen._use_torch_varlen(tensor(), tensor(), tensor(), 0.0)
+    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
 
 
 def test_this_torch_has_the_flash_op_with_autograd():

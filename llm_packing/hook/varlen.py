@@ -164,10 +164,10 @@ def packed_sdpa_attention(
         )
     flat = [tensor.transpose(1, 2).reshape(batch_size * length, tensor.shape[1], tensor.shape[3])
             for tensor in (query, key, value)]
-    if _use_torch_varlen(query, key, value, dropout):
+    if _flash_varlen_runs(query, key, value, dropout):
         # The whole batch in place, padding runs as segments of their own: no gather, no scatter. Padding outputs
         # are then attention within the padding run, not zeros; nothing real attends to them.
-        output = _torch_varlen_attention(flat, mask, scaling)
+        output = _flash_varlen_attention(flat, mask, scaling)
         return output.view(batch_size, length, heads, value.shape[3])
     output = torch.cat([
         _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
@@ -197,7 +197,7 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
     return output.transpose(1, 2)
 
 
-def _use_torch_varlen(query, key, value, dropout: float) -> bool:
+def _flash_varlen_runs(query, key, value, dropout: float) -> bool:
     """torch's FlashAttention 2 varlen op runs here: CUDA (not ROCm) on an Ampere or newer GPU, half precision, no
     dropout, equal head dims up to 256 in multiples of 8, and a torch whose op takes a sliding window."""
     return (
@@ -213,7 +213,7 @@ def _flash_capable(device_index: int | None) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _torch_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
+def _flash_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
     """One call of torch's FlashAttention 2 varlen op over the segments of the flattened batch `tokens` (query, key,
     value, each `(batch_size * length, heads, dim)`); grouped-query key and value heads go in as they are.
 
