@@ -4,7 +4,7 @@ each document run alone, float32 on CPU.
 
 Prints one line per (type, cell) as it goes, then the table: the largest differences over all layouts, how many layouts
 exceed 1e-5, and the worst layout; writes the table to `--output`. `--unwrapped-indexers` leaves the sparse key
-indexers as transformers has them (the state before `llm_packing/hook/indexers.py`), to show what they leak.
+indexers as transformers has them (the state before `llm_packing/hook/attention/indexers.py`), to show what they leak.
 
     python benchmarks/random_parity.py                                  # every supported type (~1 h of one CPU core)
     python benchmarks/random_parity.py deepseek_v32 glm_moe_dsa --unwrapped-indexers --output /tmp/before.md

@@ -155,7 +155,7 @@ def packed_mask_remaps_positions() -> bool:
     """Whether transformers' packed-sequence masks (built from `position_ids` when `attention_mask` is None) hand the
     mask functions each token's position within its document (`remap_positions_for_packed_sequence`, 5.23+). Before,
     they AND a document mask onto functions of the row position: exact for causal and sliding windows, but chunked
-    attention cuts chunks along the row, so `hook.chunked` builds per-document chunks itself there."""
+    attention cuts chunks along the row, so `hook.attention.chunked` builds per-document chunks itself there."""
     return _masking_has("remap_positions_for_packed_sequence")()
 
 
@@ -193,7 +193,7 @@ FACTS: dict[str, Fact] = {
     "packed_mask_remaps_positions": Fact(
         "packed masks hand mask functions each token's position in its document "
         "(`remap_positions_for_packed_sequence`): chunked attention chunks per document; before, along the row, "
-        "and `hook.chunked` does it", "5.23.0", None, packed_mask_remaps_positions,
+        "and `hook.attention.chunked` does it", "5.23.0", None, packed_mask_remaps_positions,
     ),
     "upad_input_looks_up_get_unpad_data": Fact(
         "FlashAttention's `_upad_input` calls the module-global `_get_unpad_data(attention_mask)`", None, None,

@@ -1,5 +1,5 @@
 """ALiBi models that build their biases from the 2-D mask (bloom; falcon with `alibi=True`, as Falcon-RW): under the
-hook every key gets the bias of its position within its own document (`llm_packing/hook/alibi.py`).
+hook every key gets the bias of its position within its own document (`llm_packing/hook/attention/alibi.py`).
 
 The parity matrix covers bloom (its only configuration); falcon's tiny config uses rotary embeddings, so its ALiBi
 variant is proven here on each backend it runs on (FlashAttention refuses ALiBi in transformers itself).

@@ -9,7 +9,8 @@ import torch
 from test_image_text_parity import TOLERANCE, Case, alone_logits, differences, make_case, pack, packed_logits
 from tiny_image_text import TinyImageText, model_inputs
 
-from llm_packing.hook import cross_attention, mask_functions
+from llm_packing.hook.attention import mask_functions
+from llm_packing.hook.media import cross_attention
 
 
 @pytest.mark.parametrize(("model_type", "leak"), [

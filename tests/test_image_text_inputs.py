@@ -219,7 +219,7 @@ def test_a_chunked_builder_call_with_mask_functions_is_refused():
 
     from transformers import AutoConfig, masking_utils
 
-    from llm_packing.hook.mask_functions import build_with_mask_functions
+    from llm_packing.hook.attention.mask_functions import build_with_mask_functions
 
     builder = masking_utils.create_chunked_causal_mask
     config = AutoConfig.for_model("llama4_text")
@@ -235,7 +235,7 @@ def test_a_mask_the_hook_prepared_passes_through_a_second_builder_call():
     unchanged, on the varlen route too."""
     from transformers import AutoConfig, masking_utils
 
-    from llm_packing.hook.varlen import PackedAttentionMask
+    from llm_packing.hook.attention.varlen import PackedAttentionMask
 
     config = AutoConfig.for_model("llama")
     config._attn_implementation = "sdpa"

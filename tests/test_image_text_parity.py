@@ -24,7 +24,7 @@ from tiny_image_text import SPECS, TinyImageText, model_inputs
 from transformers import masking_utils
 
 from llm_packing.batches.image_text import pack_image_text_documents
-from llm_packing.hook import varlen
+from llm_packing.hook.attention import varlen
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.support.image_text import IMAGE_BLOCKS, PROVEN_IMAGE_TEXT_TYPES
 

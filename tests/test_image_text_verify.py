@@ -7,9 +7,10 @@ import torch
 from tiny_image_text import SPECS, TinyImageText
 
 from llm_packing.errors import ContaminationError, PackingTypeError
-from llm_packing.hook import cross_attention, image_text, mask_functions
+from llm_packing.hook.attention import mask_functions
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.masks import document_position_ids
+from llm_packing.hook.media import cross_attention, image_text
 from llm_packing.hook.verify import verify_packing
 
 

@@ -200,3 +200,29 @@ def test_ray_is_imported_only_when_packing_on_ray():
     code = ("import sys, llm_packing; from llm_packing import pack_dataset_on_ray, read_packed_on_ray; "
             "import llm_packing.cli.train; assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_hooks_rooms_import_as_their_docstrings_say():
+    # hook/attention/ and hook/media/ sit below configure; the attention routes know nothing of media.
+    graph = package_graph()
+    assert {"hook.attention.varlen", "hook.media.image_text"} <= graph.keys()
+    for module, targets in graph.items():
+        if module.startswith(("hook.attention", "hook.media")):
+            assert "hook.configure" not in targets, module
+        if module.startswith("hook.attention"):
+            assert not {target for target in targets if target.startswith("hook.media")}, module
+
+
+@pytest.mark.parametrize(("old", "new"), [("masks", "hook.masks"), ("varlen", "hook.attention.varlen"),
+                                          ("hook.varlen", "hook.attention.varlen"),
+                                          ("hook.image_text", "hook.media.image_text")])
+def test_a_moved_module_imports_from_its_old_path_with_a_warning(old, new):
+    code = (f"import importlib, warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"new = importlib.import_module('llm_packing.{new}')\n"
+            f"try:\n    importlib.import_module('llm_packing.{old}')\n"
+            f"except DeprecationWarning as warning:\n    print(warning)\n"
+            f"warnings.simplefilter('ignore', DeprecationWarning)\n"
+            f"assert importlib.import_module('llm_packing.{old}') is new\n")
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert process.stdout.strip() == (f"`llm_packing.{old}` moved to `llm_packing.{new}` in llm_packing 0.2; import "
+                                      "it from there (the old path goes in 0.3).")

@@ -1,7 +1,7 @@
-"""The sparse key indexers run per document (`llm_packing/hook/indexers.py`). Exactness on every supported type is the
-parity matrix's (tests/test_parity.py, random layouts); these tests keep the mechanism honest: where the documents
-come from, that both sources agree, that a checkpointed layer's recompute on another thread selects the same keys,
-and that padded batches of one document a row rank each row alone."""
+"""The sparse key indexers run per document (`llm_packing/hook/attention/indexers.py`). Exactness on every supported
+type is the parity matrix's (tests/test_parity.py, random layouts); these tests keep the mechanism honest: where the
+documents come from, that both sources agree, that a checkpointed layer's recompute on another thread selects the same
+keys, and that padded batches of one document a row rank each row alone."""
 
 import threading
 
@@ -14,7 +14,8 @@ from tiny_models import tiny_model
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from llm_packing.errors import UnsupportedSetupError
-from llm_packing.hook import documents, indexers
+from llm_packing.hook import documents
+from llm_packing.hook.attention import indexers
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.support import architectures
 
@@ -146,7 +147,8 @@ def test_read_documents_number_padding_tokens_as_documents():
 def test_indexer_missing_from_the_table_is_refused(monkeypatch):
     model = tiny_model("deepseek_v32", "eager")
     monkeypatch.setitem(indexers.INDEXERS, "deepseek_v32", ("glm_moe_dsa", "GlmMoeDsaIndexer"))
-    with pytest.raises(UnsupportedSetupError, match="DeepseekV32Indexer.*llm_packing.hook.indexers.INDEXERS"):
+    match = "DeepseekV32Indexer.*llm_packing.hook.attention.indexers.INDEXERS"
+    with pytest.raises(UnsupportedSetupError, match=match):
         with packing_configured(model):
             pass
 

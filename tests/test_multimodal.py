@@ -53,8 +53,8 @@ def _packed_forward(model, batch, **inputs):
 
 
 def test_packed_batch_with_pixels_but_no_placeholders_is_refused():
-    """gemma3's images are packed with their documents (`hook.image_text`); pixels whose placeholders the batch does
-    not hold are refused before any layer runs."""
+    """gemma3's images are packed with their documents (`hook.media.image_text`); pixels whose placeholders the batch
+    does not hold are refused before any layer runs."""
     model = tiny_model("gemma3", "eager")
     pixel_values = torch.zeros(1, 3, 8, 8)
     refused = pytest.raises(PackingValueError, match="256 features .* hold 0 image placeholder tokens")

@@ -12,9 +12,9 @@ Random layouts (`random_layouts.draw_layout`, seeded; a failure prints the seed 
 supported type runs issue 25's row and 3 drawn layouts in every CI pass, 9 more in the slow suite, on eager and both
 sdpa routes, and a sample of them on flex_attention (see `test_random_layouts_equal_separate_documents`).
 
-sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/varlen.py; the test asserts that it is
-taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention have one
-route.
+sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/attention/varlen.py; the test asserts that
+it is taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention
+have one route.
 
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """
@@ -37,10 +37,10 @@ from torch._dynamo.utils import counters
 from transformers import masking_utils
 
 from llm_packing.errors import UnsupportedSetupError
-from llm_packing.hook import indexers, varlen
+from llm_packing.hook.attention import indexers, varlen
+from llm_packing.hook.attention.indexers import INDEXERS
 from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
 from llm_packing.hook.documents import SMALLEST_BUCKET
-from llm_packing.hook.indexers import INDEXERS
 from llm_packing.hook.support.architectures import (
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,

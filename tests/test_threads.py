@@ -22,7 +22,8 @@ from test_flash_path import flash_model  # noqa: F401  (the fixture: transformer
 from tiny_models import PACKED_ROW_LENGTH, packed_batch, tiny_model
 
 from llm_packing import packing_configured
-from llm_packing.hook import documents, varlen
+from llm_packing.hook import documents
+from llm_packing.hook.attention import varlen
 
 
 THREADS = 3

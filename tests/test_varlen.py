@@ -16,8 +16,9 @@ from tiny_models import packed_batch, tiny_model
 
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
 from llm_packing.cli.arguments import PackingArguments
-from llm_packing.hook import documents, varlen
-from llm_packing.hook.varlen import PackedAttentionMask
+from llm_packing.hook import documents
+from llm_packing.hook.attention import varlen
+from llm_packing.hook.attention.varlen import PackedAttentionMask
 
 
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]])

@@ -13,7 +13,7 @@ from transformers import BertConfig, BertLMHeadModel
 
 from llm_packing import cli
 from llm_packing.cli import verify, verify_routes
-from llm_packing.hook import varlen
+from llm_packing.hook.attention import varlen
 
 
 ROUTE_KEYS = {"route", "backend", "status", "kernel", "logits", "gradients", "reason", "seconds"}

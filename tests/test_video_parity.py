@@ -1,6 +1,6 @@
 """The video parity matrix: packed rows of documents with 0 to 2 videos and images each give, for every document,
-exactly the logits it gives alone (max abs difference <= 1e-5, float32), for every type of `hook.video.VIDEO_TYPES`
-on eager and sdpa, and the negative controls leak.
+exactly the logits it gives alone (max abs difference <= 1e-5, float32), for every type of
+`hook.media.video.VIDEO_TYPES` on eager and sdpa, and the negative controls leak.
 
 Videos are real clips (matplotlib's sample photos panned frame by frame, `tests/tiny_video.py`) run through the
 model's own video processor class (frame sampling by fps or count, temporal patches, merge size); the reference runs
@@ -27,9 +27,9 @@ from tiny_image_text import model_inputs
 from tiny_video import TinyVideo
 
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
-from llm_packing.hook import video
 from llm_packing.hook.configure import packing_configured
-from llm_packing.hook.placeholders import placeholder_mask
+from llm_packing.hook.media import video
+from llm_packing.hook.media.placeholders import placeholder_mask
 from llm_packing.hook.support import matrix as support_matrix
 from llm_packing.hook.support.image_text import FLASH_BACKENDS, IMAGE_TEXT_BACKENDS, supported_image_text_model_types
 from llm_packing.hook.support.video import VIDEO_TYPES, takes_videos, video_refusal

@@ -14,10 +14,10 @@ from tiny_video import TinyVideo
 from llm_packing.data.pack_image_text import plan_conversations
 from llm_packing.demo.clips import load_clip_conversations, load_demo_video_processor
 from llm_packing.errors import ContaminationError
-from llm_packing.hook import video
 from llm_packing.hook.configure import packing_configured
+from llm_packing.hook.media import video
+from llm_packing.hook.media.verify_images import includes_video
 from llm_packing.hook.verify import verify_packing
-from llm_packing.hook.verify_images import includes_video
 
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny-cpu-video.yaml")

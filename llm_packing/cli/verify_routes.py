@@ -17,10 +17,10 @@ import torch
 
 from ..errors import PackingError
 from ..hook import mixers
+from ..hook.attention.varlen import flash_varlen_op
 from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route
 from ..hook.support.model_types import causal_lm_model_type
-from ..hook.varlen import flash_varlen_op
 from ..hook.verify import measure_packing
 from ..hook.verify_limits import Comparison
 

@@ -5,7 +5,7 @@ builders read the indexed mask first:
 - eager / sdpa (dense route) / flex_attention: the builder is called with `attention_mask=None` and per-document
   `position_ids`, so transformers' own packed-sequence masking builds the mask (bool for sdpa, additive float for
   eager, a document `BlockMask` for flex), sliding windows and chunked attention included;
-- sdpa's varlen route: the builder returns the document layout instead of any `L x L` mask (`hook.varlen`);
+- sdpa's varlen route: the builder returns the document layout instead of any `L x L` mask (`hook.attention.varlen`);
 - flash_attention_2/3/4: the builder hands the raw indexed mask through, and `_get_unpad_data` turns it into
   per-document `cu_seqlens` (batch size > 1 allowed).
 Masks without a document index above 1 go to the original builders untouched.
@@ -20,7 +20,8 @@ import torch
 
 from .. import _compat
 from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
-from . import chunked, mask_functions, registry, varlen
+from . import registry
+from .attention import chunked, mask_functions, varlen
 from .cache import use_cache_fix
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
@@ -82,7 +83,7 @@ def _wrap_builder(original):
 def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
     """What the builder `original` returns for a validated indexed mask, on the route of the model's backend. A dense
     mask transformers' own builder returns (eager, sdpa) is recorded with the forward's documents, for the sparse key
-    indexers that read it (`hook.indexers`)."""
+    indexers that read it (`hook.attention.indexers`)."""
     arguments = bound.arguments
     backend = config._attn_implementation
     route = mask_route(backend, config)

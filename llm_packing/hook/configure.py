@@ -3,10 +3,10 @@ attention on every backend, and `unconfigure_packing()`, which undoes it.
 
 Configuring checks the architecture and backend (`hook.support`), then replaces, through the one registry
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
-(`hook.builders`), sdpa's attention function (`hook.varlen`), the hybrid mixers (`hook.mixers`), the sparse key
-indexers (`hook.indexers`), ALiBi builders (`hook.alibi`), and adds the model's guards (`hook.guards`,
-`hook.multimodal`) and, for an image-text model, the pre-hook that passes its top-level `use_cache=False` on to its
-text model (`hook.cache`). Nothing is patched at import time.
+(`hook.builders`), sdpa's attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`), the sparse
+key indexers (`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), and adds the model's guards
+(`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that passes its top-level
+`use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -20,7 +20,9 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import alibi, builders, cache, guards, indexers, mixers, multimodal, registry, varlen
+from . import builders, cache, guards, mixers, registry
+from .attention import alibi, indexers, varlen
+from .media import multimodal
 from .support.model_types import causal_lm_model_type
 
 
@@ -50,8 +52,8 @@ def configure_packing(
             How sdpa attends packed batches; by default the route already chosen in this process (`"auto"` at first,
             and again after [`unconfigure_packing`]), so that configuring a second time, as
             [`~llm_packing.trainers.sft.PackedSFTTrainer`] does, keeps a forced route. `"auto"`: the varlen route
-            (each document's own causal block, memory linear in tokens; see `llm_packing.hook.varlen`) where the
-            architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens and heads up
+            (each document's own causal block, memory linear in tokens; see `llm_packing.hook.attention.varlen`) where
+            the architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens and heads up
             to `varlen.DENSE_ON_CUDA_UP_TO_HEAD_DIM` wide (faster there, measured), else transformers' dense
             `(batch, 1, length, length)` mask. `"dense"` forces the dense mask;
             `"varlen"` raises unless the varlen route is taken. Other backends ignore `"auto"` and `"dense"`.

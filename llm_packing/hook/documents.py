@@ -7,7 +7,8 @@ sync), checks the document ids once, and keeps a [`ForwardDocuments`] for the ot
 it (unpad data, attention buckets, mixer batches) is built once and kept on it too.
 
 The mask builders also record the dense masks they make from a forward's documents (weakly), so that a reader of a
-prepared mask (the sparse key indexers, `hook.indexers`) finds the documents it isolates without another host copy.
+prepared mask (the sparse key indexers, `hook.attention.indexers`) finds the documents it isolates without another
+host copy.
 
 The state is per thread: `nn.DataParallel` (and so `Trainer` on a machine with several GPUs and no launcher) runs a
 replica's forward on each of several threads at once, each with its own mask. A thread finds its own forward's state

@@ -4,9 +4,9 @@
 padding) and each document alone through the model, and compares the logits of every real token. The limit is
 calibrated on the model's own floating-point noise in its dtype, measured by one more forward that needs no isolation
 at all (`hook.verify_limits`). Cost: eight forwards of at most 6 x 16 tokens. Given the processor of an image-text
-model, it also packs a document with two images between two text documents (`hook.verify_images`). `measure_packing`
-is the same comparison on any layout of packed rows, and can compare the gradients of a per-document loss too
-(`llm-packing verify` runs it).
+model, it also packs a document with two images between two text documents (`hook.media.verify_images`).
+`measure_packing` is the same comparison on any layout of packed rows, and can compare the gradients of a per-document
+loss too (`llm-packing verify` runs it).
 """
 
 import logging
@@ -16,8 +16,8 @@ import torch
 
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
-from .image_text import causal_through_token_types
-from .verify_images import image_row_difference, includes_video
+from .media.image_text import causal_through_token_types
+from .media.verify_images import image_row_difference, includes_video
 from .verify_limits import PackingMeasurement, compare
 
 
@@ -92,7 +92,7 @@ def verify_packing(model, *, atol: float | None = None, seed: int = 0, processor
 
 
 def _image_row_difference(model, processor, seed: int) -> float:
-    """`hook.verify_images`' check, with two text documents around the image document."""
+    """`hook.media.verify_images`' check, with two text documents around the image document."""
     device = next(model.parameters()).device
     texts = _random_documents(model.config, IMAGE_ROW_TEXT_LENGTHS, seed, device)
     was_training = model.training

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from ..core.checks import check_integer
 from ..errors import UnsupportedSetupError
-from ..hook import registry, varlen
+from ..hook import registry
+from ..hook.attention import varlen
 from ..hook.configure import configure_packing
 from ..hook.mixers import MIXERS
 from ..hook.support.architectures import non_attention_layer_types

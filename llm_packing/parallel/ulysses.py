@@ -1,21 +1,22 @@
 """Ulysses attention over a packed row cut across the ranks of a sequence-parallel group.
 
 Each rank holds `length / N` consecutive tokens of every row and all `H` heads. One all-to-all per tensor trades that
-for all `length` tokens and `H / N` heads; the hook's per-document sdpa route (`llm_packing.hook.varlen`) then attends
-every document of the whole row, with the whole row's layout (global boundaries, sliding windows); a last all-to-all
-trades the output back. Attention is per head, so the head-sharded call is exactly the unsharded one.
+for all `length` tokens and `H / N` heads; the hook's per-document sdpa route (`llm_packing.hook.attention.varlen`)
+then attends every document of the whole row, with the whole row's layout (global boundaries, sliding windows); a last
+all-to-all trades the output back. Attention is per head, so the head-sharded call is exactly the unsharded one.
 """
 
 import torch.distributed as dist
 
 from ..errors import UnsupportedSetupError
-from ..hook import registry, varlen
+from ..hook import registry
+from ..hook.attention import varlen
 from .collectives import all_to_all
 
 
 def sharded_attention(group):
     """The attention the hook's sdpa route calls for a shard's queries while sequence parallelism over `group` is
-    configured (`hook.varlen.sharded_attention`)."""
+    configured (`hook.attention.varlen.sharded_attention`)."""
 
     def ulysses_attention(module, query, key, value, mask: varlen.PackedAttentionMask, dropout=0.0, scaling=None,
                           **kwargs):

@@ -85,9 +85,9 @@ def support_matrix_markdown() -> str:
         "flash_attention_4 take flash_attention_2's path with another kernel (the test asserts it), so the cell "
         "follows from the flash_attention_2 one. `exact (varlen)` on sdpa: packed batches take the varlen route "
         "(per-document SDPA, "
-        "`llm_packing/hook/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both routes by the "
-        "parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which keeps "
-        "transformers' dense packed mask. `exact (runs K)` (or `inferred (runs K)`): transformers serves a "
+        "`llm_packing/hook/attention/varlen.py`; `attention_route='dense'` forces the dense mask), proven on both "
+        "routes by the parity matrix; `exact (dense: why)`: the varlen route cannot express the architecture, which "
+        "keeps transformers' dense packed mask. `exact (runs K)` (or `inferred (runs K)`): transformers serves a "
         "FlashAttention request with the architecture's own kernel K (one that takes attention sinks); that is the "
         "path tested. `n/a`: transformers "
         "offers no such backend for the architecture.",

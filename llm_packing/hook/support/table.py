@@ -261,8 +261,8 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     ),
 }
 
-# Supported types whose sdpa attention the varlen route (llm_packing/hook/varlen.py) cannot express: they keep
-# transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
+# Supported types whose sdpa attention the varlen route (llm_packing/hook/attention/varlen.py) cannot express: they
+# keep transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
 # matrix's route axis.
 SDPA_DENSE_MODEL_TYPES: dict[str, str] = {
     "falcon": "its attention calls torch's scaled_dot_product_attention itself (ALiBi), not transformers' sdpa "

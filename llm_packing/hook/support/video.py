@@ -4,8 +4,9 @@ videos are refused.
 A type packs videos only if it is in `VIDEO_TYPES`, the types `tests/test_video_parity.py` proved on
 `VIDEO_BACKENDS`: rows of 2 to 4 documents with 0 to 2 videos and images each give every document its logits alone
 within 1e-5 (float32). Every other (type, backend) is refused by `video_refusal`, which the hook raises with
-(`hook.video.refuse_media_not_packed`) and the support table prints (`support.matrix`): a type whose image-text class
-takes no `pixel_values_videos` has no video input at all; one that takes them is not yet in the video parity matrix.
+(`hook.media.video.refuse_media_not_packed`) and the support table prints (`support.matrix`): a type whose image-text
+class takes no `pixel_values_videos` has no video input at all; one that takes them is not yet in the video parity
+matrix.
 
 Example:
 ```python

@@ -15,8 +15,8 @@ restart at every document), rows 1-3 the 3-D positions.
 
 import torch
 
-from .documents import ForwardDocuments
-from .masks import document_position_ids
+from ..documents import ForwardDocuments
+from ..masks import document_position_ids
 
 
 def rope_index_module(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -12,7 +12,7 @@ packed logits are compared with its logits alone. Cost: one packed forward and t
 import numpy as np
 import torch
 
-from ..errors import PackingTypeError
+from ...errors import PackingTypeError
 from .image_text import causal_through_token_types
 
 
@@ -25,7 +25,7 @@ _TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_typ
 
 def includes_video(model_type: str, processor) -> bool:
     """Whether the image document of `processor` holds a video: its type packs videos, and it has a video processor."""
-    from .support.video import VIDEO_TYPES
+    from ..support.video import VIDEO_TYPES
 
     return model_type in VIDEO_TYPES and getattr(processor, "video_processor", None) is not None
 

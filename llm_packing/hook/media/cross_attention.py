@@ -22,10 +22,10 @@ import inspect
 
 import torch
 
-from ..errors import PackingValueError
-from . import registry
-from .documents import current_documents, documents_of, same_elements
-from .masks import is_integer_mask
+from ...errors import PackingValueError
+from .. import registry
+from ..documents import current_documents, documents_of, same_elements
+from ..masks import is_integer_mask
 
 
 _SLOTS = "cross-attention slots"

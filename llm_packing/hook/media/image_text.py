@@ -2,30 +2,31 @@
 
 One forward pre-hook on the model's base (the module its conditional-generation class calls with every input, under
 PEFT too) prepares each packed batch before any layer runs:
-- media on a backend the matrix did not prove, videos of a type the video matrix did not prove (`hook.video`) and
+- media on a backend the matrix did not prove, videos of a type the video matrix did not prove (`hook.media.video`) and
   audio are refused;
 - each image and video must land in one document, and they must fill the batch's placeholders exactly
-  (`hook.placeholders`, `hook.video`), else the batch is refused with the row and column to look at;
-- an mRoPE model gets its per-document 3-D positions (`hook.mrope`) when the batch carries 2-D `position_ids` or
+  (`hook.media.placeholders`, `hook.media.video`), else the batch is refused with the row and column to look at;
+- an mRoPE model gets its per-document 3-D positions (`hook.media.mrope`) when the batch carries 2-D `position_ids` or
   none; a `(4, batch, length)` tensor (text row + 3-D, the layout transformers reads) passes through.
-Bidirectional image blocks are bounded by the document in the mask builders (`hook.mask_functions`), Mllama's
-cross-attention by `hook.cross_attention`. Everything a forward derives stays in that forward's arguments or on its
-documents (`hook.documents`), so concurrent forwards on several threads keep their own.
+Bidirectional image blocks are bounded by the document in the mask builders (`hook.attention.mask_functions`), Mllama's
+cross-attention by `hook.media.cross_attention`. Everything a forward derives stays in that forward's arguments or on
+its documents (`hook.documents`), so concurrent forwards on several threads keep their own.
 """
 
 import functools
 
 import torch
 
-from ..errors import PackingValueError
-from . import cross_attention, registry, video
-from .builders import check_documents
-from .documents import documents_of
-from .guards import input_module
-from .masks import is_integer_mask
+from ...errors import PackingValueError
+from .. import registry
+from ..builders import check_documents
+from ..documents import documents_of
+from ..guards import input_module
+from ..masks import is_integer_mask
+from ..support.image_text import require_images_supported
+from . import cross_attention, video
 from .mrope import packed_mrope_position_ids, rope_index_module
 from .placeholders import documents_of_images, placeholder_mask
-from .support.image_text import require_images_supported
 
 
 # Media argument names of a forward (`second_per_grid_ts`: Qwen2.5-VL's seconds per temporal patch of each video).

@@ -1,11 +1,11 @@
 """Multimodal checkpoints in packed batches: images of the image-text types the image-text parity matrix proved are
-packed with their documents (`hook.image_text`); every other model refuses media inputs in a packed batch.
+packed with their documents (`hook.media.image_text`); every other model refuses media inputs in a packed batch.
 
 `AutoModelForCausalLM` builds some multimodal checkpoints as the whole wrapper (`gemma3` gives
 `Gemma3ForConditionalGeneration`, config `gemma3`) and others as the bare language model (`mllama` gives
 `MllamaForCausalLM`, whose config is the text config `mllama_text_model`). Text-only batches of both go through the
 same mask builders as any decoder, so the hook isolates them. Images or video in a packed row of a type not proven
-with them (`llm_packing.hook.support.image_text`, `llm_packing.hook.video`), or audio of any type, would need
+with them (`llm_packing.hook.support.image_text`, `llm_packing.hook.media.video`), or audio of any type, would need
 positions and masks the hook does not build, so a packed forward carrying them is refused.
 """
 
@@ -13,11 +13,12 @@ import functools
 
 import torch
 
-from ..errors import UnsupportedSetupError
-from . import image_text, registry
-from .documents import documents_of
-from .masks import is_integer_mask
-from .support.image_text import PROVEN_IMAGE_TEXT_TYPES
+from ...errors import UnsupportedSetupError
+from .. import registry
+from ..documents import documents_of
+from ..masks import is_integer_mask
+from ..support.image_text import PROVEN_IMAGE_TEXT_TYPES
+from . import image_text
 
 
 # Forward arguments that carry media (pixel_values, pixel_values_videos, image_sizes, input_features,
@@ -36,9 +37,9 @@ def media_argument_names(model) -> tuple[str, ...]:
 
 
 def guard_media_inputs(model) -> None:
-    """Prepare packed forwards of `model` for its images if its type is proven with them (`hook.image_text`), else
-    make them refuse media inputs, if its forward takes any (idempotent; removed by `unconfigure_packing` through the
-    registry)."""
+    """Prepare packed forwards of `model` for its images if its type is proven with them (`hook.media.image_text`),
+    else make them refuse media inputs, if its forward takes any (idempotent; removed by `unconfigure_packing` through
+    the registry)."""
     if not isinstance(model, torch.nn.Module):
         return
     if getattr(getattr(model, "config", None), "model_type", None) in PROVEN_IMAGE_TEXT_TYPES:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..errors import PackingValueError
-from .documents import ForwardDocuments
+from ...errors import PackingValueError
+from ..documents import ForwardDocuments
 
 
 def _pair(value) -> tuple[int, int]:

@@ -38,10 +38,10 @@ import weakref
 import numpy as np
 import torch
 
-from .. import _compat
-from ..errors import IncompatibleTransformersError, UnsupportedSetupError
-from . import documents as forward_documents, registry
-from .documents import ForwardDocuments
+from ... import _compat
+from ...errors import IncompatibleTransformersError, UnsupportedSetupError
+from .. import documents as forward_documents, registry
+from ..documents import ForwardDocuments
 
 
 # model_type -> (modeling module, indexer class). Each `forward(hidden_states, q_resid, position_embeddings,
@@ -86,7 +86,7 @@ def check_indexers_covered(model: torch.nn.Module) -> None:
                 f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a sparse key indexer "
                 f"that llm_packing does not run per document (wrapped for this type: "
                 f"{wrapped.__name__ if wrapped else 'none'}). Train this model without packing, or add the class to "
-                "`llm_packing.hook.indexers.INDEXERS` with a parity test."
+                "`llm_packing.hook.attention.indexers.INDEXERS` with a parity test."
             )
 
 
@@ -137,7 +137,7 @@ class SameLengthGroups:
     ```python
     >>> import torch
     >>> from llm_packing.hook.documents import documents_of
-    >>> from llm_packing.hook.indexers import SameLengthGroups
+    >>> from llm_packing.hook.attention.indexers import SameLengthGroups
     >>> groups = SameLengthGroups(documents_of(torch.tensor([[1, 1, 2, 3, 3, 0], [1, 1, 1, 2, 2, 0]])), "cpu")
     >>> [(rows.tolist(), columns.tolist()) for rows, columns in groups.groups]
     [([0, 0, 1], [[0, 1], [3, 4], [3, 4]]), ([1], [[0, 1, 2]])]
@@ -233,7 +233,7 @@ def read_documents(mask: torch.Tensor) -> ForwardDocuments | None:
     Example:
     ```python
     >>> import torch
-    >>> from llm_packing.hook.indexers import read_documents
+    >>> from llm_packing.hook.attention.indexers import read_documents
     >>> packed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     >>> read_documents(packed[None]).ids  # documents of 2 and 1 tokens, one padding token
     array([[1, 1, 2, 3]])

@@ -5,14 +5,14 @@ transformers builds a packed mask. Since 5.23 it remaps each token to its positi
 the mask functions, so chunks start at each document's start. Before, the packed mask ANDs a same-document rule onto
 chunks counted along the row: a document starting mid-chunk has its first chunk cut short, unlike the document run
 alone. There the causal builder is called instead, with the chunk rule of the per-document positions ANDed in (what
-5.23's remap gives). Builder calls with mask functions (images) never get here: `hook.mask_functions` refuses those
-on chunked builders.
+5.23's remap gives). Builder calls with mask functions (images) never get here: `hook.attention.mask_functions`
+refuses those on chunked builders.
 """
 
 import inspect
 
-from .. import _compat
-from . import registry
+from ... import _compat
+from .. import registry
 
 
 def per_document_builder(original):

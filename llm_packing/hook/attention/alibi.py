@@ -15,9 +15,9 @@ import importlib
 
 import torch
 
-from . import registry
-from .documents import documents_of
-from .masks import document_position_ids, is_integer_mask
+from .. import registry
+from ..documents import documents_of
+from ..masks import document_position_ids, is_integer_mask
 
 
 # model_type -> modeling module whose module-level `build_alibi_tensor(attention_mask, num_heads, dtype)` the model
@@ -45,7 +45,7 @@ def _per_document(original):
         Example (one head, slope 1/2; documents of 2 and 3 tokens and a pad):
         ```python
         >>> import torch
-        >>> from llm_packing.hook.alibi import _per_document
+        >>> from llm_packing.hook.attention.alibi import _per_document
         >>> def build(mask, num_heads, dtype):
         ...     return (0.5 * ((mask.cumsum(-1) - 1) * mask)).to(dtype)[:, None, :]
         >>> _per_document(build)(torch.tensor([[1, 1, 2, 2, 2, 0]]), 1, torch.float32)

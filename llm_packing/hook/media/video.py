@@ -3,9 +3,9 @@ document each lands.
 
 A video is packed the way an image is: its features fill its placeholder tokens in packed order, so each video's
 placeholders must lie in one document and the videos must fill the batch's video placeholders exactly
-(`placeholders.unit_owners`). mRoPE models also give video tokens temporal positions, which `hook.mrope` computes per
-document from that document's own `video_grid_thw` (and Qwen2.5-VL's `second_per_grid_ts`, the seconds one temporal
-patch spans). Which types pack videos, on which backends, and why the others are refused is data
+(`placeholders.unit_owners`). mRoPE models also give video tokens temporal positions, which `hook.media.mrope`
+computes per document from that document's own `video_grid_thw` (and Qwen2.5-VL's `second_per_grid_ts`, the seconds
+one temporal patch spans). Which types pack videos, on which backends, and why the others are refused is data
 (`support.video`: `VIDEO_TYPES`, `video_refusal`); audio of every type is refused.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..errors import PackingValueError, UnsupportedSetupError
-from .documents import ForwardDocuments
+from ...errors import PackingValueError, UnsupportedSetupError
+from ..documents import ForwardDocuments
+from ..support.video import VIDEO_BACKENDS, VIDEO_TYPES, video_refusal
 from .placeholders import unit_owners
-from .support.video import VIDEO_BACKENDS, VIDEO_TYPES, video_refusal
 
 
 # Forward arguments that carry one value per video, in packed order.
@@ -96,7 +96,7 @@ def documents_of_videos(
 
 def per_document(values, owners: np.ndarray | None, n_documents: int) -> list | None:
     """Per document (order of the forward's documents), its rows of `values` (one row per image unit or video, packed
-    order; `owners` their documents), or None without units; the mRoPE inputs of `hook.mrope`."""
+    order; `owners` their documents), or None without units; the mRoPE inputs of `hook.media.mrope`."""
     if values is None or owners is None or not len(owners):
         return None
     if not isinstance(values, torch.Tensor):

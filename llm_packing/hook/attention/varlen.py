@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..core.checks import check_choice
-from ..core.rows import position_ids
-from ..errors import UnsupportedSetupError
-from . import registry
-from .documents import bucket_bounds, documents_of
-from .shapes import attention_head_dims
+from ...core.checks import check_choice
+from ...core.rows import position_ids
+from ...errors import UnsupportedSetupError
+from .. import registry
+from ..documents import bucket_bounds, documents_of
+from ..shapes import attention_head_dims
 
 
 ROUTES = ("auto", "varlen", "dense")
@@ -56,7 +56,7 @@ class PackedAttentionMask:
     Example:
     ```python
     >>> import torch
-    >>> from llm_packing.hook.varlen import PackedAttentionMask
+    >>> from llm_packing.hook.attention.varlen import PackedAttentionMask
     >>> layout = PackedAttentionMask.from_indexed_mask(torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]))
     >>> [bucket.tolist() for bucket in layout.buckets]
     [[[2, 3, 4], [9, 10, 11], [0, 1, 1], [7, 8, 8], [6, 6, 6]]]
@@ -272,7 +272,7 @@ def check_route(attention_route, config) -> None:
     """Validate `attention_route` for this model (raises before anything is patched), then make it the route;
     `None` keeps the current one."""
     global _route
-    from .support.architectures import sdpa_route
+    from ..support.architectures import sdpa_route
 
     if attention_route is None:
         attention_route = _route
@@ -297,9 +297,9 @@ def check_route(attention_route, config) -> None:
 
 def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.Tensor) -> PackedAttentionMask | None:
     """What a patched sdpa mask builder returns for a validated indexed mask without mask functions (those take
-    `hook.mask_functions`): its [`PackedAttentionMask`], or `None` where the dense route must build the mask (route
-    forced dense, an architecture that SDPA per document cannot express)."""
-    from .support.architectures import sdpa_route
+    `hook.attention.mask_functions`): its [`PackedAttentionMask`], or `None` where the dense route must build the mask
+    (route forced dense, an architecture that SDPA per document cannot express)."""
+    from ..support.architectures import sdpa_route
 
     config = arguments["config"]
     if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
@@ -322,7 +322,7 @@ def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
 
     Example:
     ```python
-    >>> from llm_packing.hook.varlen import auto_takes_dense
+    >>> from llm_packing.hook.attention.varlen import auto_takes_dense
     >>> auto_takes_dense("cuda", 4096, 64), auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 16384, 64)
     (True, False, False)
     >>> auto_takes_dense("cpu", 2048, 64)

@@ -20,7 +20,7 @@ counts chunks from the row start in these coordinates, so a chunked builder call
 
 import torch
 
-from ..errors import UnsupportedSetupError
+from ...errors import UnsupportedSetupError
 
 
 MASK_FUNCTION_ARGUMENTS = ("or_mask_function", "and_mask_function", "block_sequence_ids")
