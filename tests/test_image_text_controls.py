@@ -44,12 +44,17 @@ def test_transformers_own_packed_path_on_image_tokens_leaks_with_a_cache():
 def test_text_positions_on_image_tokens_mis_position(model_type):
     """Per-document 2-D positions on every row of mRoPE (image tokens at text positions, the layout given as
     `(4, batch, length)` so the hook's pre-hook passes it through): the images' tokens are mis-positioned."""
-    case = make_case(model_type, "sdpa")
-    flat = case.batch["position_ids"]
-    logits = packed_logits(case, position_ids=flat.unsqueeze(0).repeat(4, 1, 1))
-    measured = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    measured = text_positions_difference(make_case(model_type, "sdpa"))
     print(f"control text positions on image tokens {model_type}: {measured:.2e}")
     assert measured > 1e-3
+
+
+def text_positions_difference(case: Case) -> float:
+    """The largest difference from the documents alone when every mRoPE row of `case` gets the per-document 2-D
+    positions, given as `(4, batch, length)` so that the hook passes them through."""
+    flat = case.batch["position_ids"]
+    logits = packed_logits(case, position_ids=flat.unsqueeze(0).repeat(4, 1, 1))
+    return max(differences(case, logits, alone_logits(case.model, case.documents)))
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])

@@ -234,7 +234,12 @@ def test_a_training_step_with_images(model_type):
     """With gradients on and the model in training mode, as a trainer runs it: the packed forward gives the logits of
     the documents alone and a finite gradient (PaliGemma hands the mask its builder made to its text model, whose
     builder call must take it as the hook's own, not refuse it as a user's prepared 4-D mask)."""
-    case = make_case(model_type, "sdpa")
+    assert_training_step_exact(make_case(model_type, "sdpa"))
+
+
+def assert_training_step_exact(case: Case) -> None:
+    """A packed training forward and backward of `case` (`make_case` or the video tests' `video_case`): the logits of
+    the documents alone within `TOLERANCE`, and a finite gradient."""
     references = alone_logits(case.model, case.documents)
     case.model.train()
     with packing_configured(case.model):

@@ -14,11 +14,12 @@ import random
 
 import pytest
 import torch
-from test_image_text_controls import _hooked_positions
+from test_image_text_controls import _hooked_positions, text_positions_difference
 from test_image_text_parity import (
     TOLERANCE,
     alone_logits,
     assert_drawn_layout_exact,
+    assert_training_step_exact,
     differences,
     pack,
     packed_logits,
@@ -27,7 +28,6 @@ from tiny_image_text import model_inputs
 from tiny_video import TinyVideo
 
 from llm_packing.errors import PackingValueError, UnsupportedSetupError
-from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.media import video
 from llm_packing.hook.media.placeholders import placeholder_mask
 from llm_packing.hook.support import matrix as support_matrix
@@ -137,10 +137,7 @@ def test_one_mask_for_the_whole_row_leaks(model_type):
 def test_text_positions_on_video_tokens_mis_position(model_type):
     """Per-document 2-D positions on every mRoPE row (given as `(4, batch, length)`, which the hook passes through):
     video tokens lose their temporal and spatial positions."""
-    case = video_case(model_type, "sdpa")
-    flat = case.batch["position_ids"]
-    logits = packed_logits(case, position_ids=flat.unsqueeze(0).repeat(4, 1, 1))
-    measured = max(differences(case, logits, alone_logits(case.model, case.documents)))
+    measured = text_positions_difference(video_case(model_type, "sdpa"))
     print(f"control text positions on video tokens {model_type}: {measured:.2e}")
     assert measured > 1e-3
 
@@ -221,11 +218,4 @@ def test_onevision_videos_of_different_frame_counts_are_refused_when_packed():
 
 
 def test_a_packed_training_step_with_videos():
-    case = video_case("qwen2_5_vl", "sdpa")
-    references = alone_logits(case.model, case.documents)
-    case.model.train()
-    with packing_configured(case.model):
-        output = case.model(**case.inputs(labels=case.batch["labels"]), use_cache=False)
-        output.loss.backward()
-    assert max(differences(case, output.logits.detach(), references)) <= TOLERANCE
-    assert all(bool(p.grad.isfinite().all()) for p in case.model.parameters() if p.grad is not None)
+    assert_training_step_exact(video_case("qwen2_5_vl", "sdpa"))
