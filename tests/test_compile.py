@@ -35,11 +35,13 @@ CASES = [
 ]
 
 
-def compiled_and_eager_differences(model_type, backend, route) -> tuple[list[tuple[float, float, float]], list[int]]:
+def compiled_and_eager_differences(
+    model_type, backend, route, **overrides
+) -> tuple[list[tuple[float, float, float]], list[int]]:
     """Per batch, the largest compiled-eager differences of (logits, loss, gradients), and the compiled entries
-    dynamo holds after it."""
+    dynamo holds after it (`overrides`: of the tiny config)."""
     torch._dynamo.reset()
-    model = tiny_model(model_type, backend).train()
+    model = tiny_model(model_type, backend, **overrides).train()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model)
     differences, frames = [], []

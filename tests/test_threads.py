@@ -19,6 +19,7 @@ import pytest
 import torch
 from flex_modes import traced_flex
 from test_flash_path import flash_model  # noqa: F401  (the fixture: transformers' FlashAttention code, reference kernel)
+from test_rotary import length_dependent_rope
 from tiny_models import PACKED_ROW_LENGTH, packed_batch, tiny_model
 
 from llm_packing import packing_configured
@@ -121,6 +122,17 @@ def _hammer(models, batches, logits=_logits) -> list[float]:
 def test_concurrent_forwards_each_get_their_own_documents(model_type, backend, route):
     model = tiny_model(model_type, backend)
     with packing_configured(model, attention_route=route):
+        differences = _hammer([model] * THREADS, _batches())
+    assert max(differences) <= TOLERANCE, differences
+
+
+@pytest.mark.parametrize(("model_type", "rope_type"), [("phi3", "longrope"), ("llama", "dynamic")])
+def test_concurrent_forwards_with_a_length_dependent_rope(model_type, rope_type):
+    """Rotary frequencies chosen per document (`hook.rotary`; the switch at 16 tokens: the 18-token document is past
+    it, the others are not) come from the forward's own positions, never from a module attribute another thread's
+    forward has set."""
+    model = tiny_model(model_type, "sdpa", **length_dependent_rope(model_type, rope_type))
+    with packing_configured(model):
         differences = _hammer([model] * THREADS, _batches())
     assert max(differences) <= TOLERANCE, differences
 

@@ -9,6 +9,7 @@ every backend, and `unconfigure_packing()` undoes it.
 - `shapes`: the attention heads' widths, per layer where the config varies them;
 - `attention/`: attention per document where the builders cannot express it alone (sdpa's varlen route, chunked
   attention, image mask functions, ALiBi, sparse key indexers);
+- `rotary`: rope types whose frequencies follow the sequence length (`longrope`, `dynamic`) given each document's own;
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
 - `media/`: images and videos kept with their documents (the proven types prepared, all other media refused);
 - `guards`: training batches without documents, and kernels measured wrong on packed rows, refused;

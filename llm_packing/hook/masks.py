@@ -62,6 +62,38 @@ def document_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return columns - first_column_of_segment
 
 
+def document_lengths_per_token(position_ids: torch.Tensor) -> torch.Tensor:
+    """
+    For each token, the length of its document as rotary embeddings read it, from positions that restart at 0 per
+    document: the largest position of the token's run plus one. A run starts at each token at position 0 (with 3-D
+    positions `(3, batch_size, length)`, at 0 in all three rows: an image's first patch at a document's start too),
+    and the largest position is taken over the three rows. A padding token at position 0 is a run of its own.
+
+    Computed on the positions' device with no host sync. Returns `(batch_size, length)`.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.masks import document_lengths_per_token
+    >>> document_lengths_per_token(torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]))
+    tensor([[2, 2, 3, 3, 3, 1],
+            [1, 2, 2, 3, 3, 3]])
+    >>> document_lengths_per_token(torch.tensor([[[0, 1, 1, 3, 0, 1]], [[0, 1, 2, 3, 0, 1]], [[0, 1, 2, 3, 0, 1]]]))
+    tensor([[4, 4, 4, 4, 2, 2]])
+
+    ```
+    """
+    if position_ids.dim() == 3:
+        starts, largest = (position_ids == 0).all(dim=0), position_ids.amax(dim=0)
+    else:
+        starts, largest = position_ids == 0, position_ids
+    rows, length = largest.shape
+    runs = starts.cumsum(dim=1) + torch.arange(rows, device=largest.device)[:, None] * (length + 1)
+    last_positions = torch.zeros(rows * (length + 1), dtype=largest.dtype, device=largest.device)
+    last_positions = last_positions.scatter_reduce(0, runs.flatten(), largest.flatten(), "amax")
+    return last_positions[runs] + 1
+
+
 def document_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     The real tokens of indexed document ids (`(batch_size, length)`, 0 on padding) and where each document starts.

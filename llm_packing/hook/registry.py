@@ -19,10 +19,11 @@ _MISSING = object()  # the attribute was inherited, not set on the object itself
 _MARK = "__llm_packing_replacement__"
 
 
-def ours(function):
-    """`function`, as one the hook binds in transformers' place: marked, and run outside `torch.compile`'s graphs
-    ([`outside_graphs`])."""
-    function = outside_graphs(function)
+def ours(function, *, eager: bool = True):
+    """`function`, as one the hook binds in transformers' place: marked, and unless `eager=False` (for one that reads
+    nothing on the host, which dynamo may trace) run outside `torch.compile`'s graphs ([`outside_graphs`])."""
+    if eager:
+        function = outside_graphs(function)
     setattr(function, _MARK, True)
     return function
 
