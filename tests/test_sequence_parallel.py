@@ -20,6 +20,7 @@ import sequence_parallel_worker as worker
 import torch
 import torch.multiprocessing as mp
 from random_layouts import draw_layout
+from test_rotary import length_dependent_rope
 from tiny_models import tiny_model
 
 from llm_packing import UnsupportedSetupError
@@ -131,6 +132,15 @@ def test_heads_not_divisible_refused():
 def test_hybrid_refused(model_type):
     model = tiny_model(model_type, "sdpa")
     with pytest.raises(UnsupportedSetupError, match="mixers carry a state along the row"):
+        configure_sequence_parallel(model, 2)
+
+
+@pytest.mark.parametrize("rope_type", ["longrope", "dynamic"])
+def test_length_dependent_rope_refused(rope_type):
+    """A rank's piece of a document does not show the document's length, from which these rope types take their
+    frequencies (`hook.rotary`)."""
+    model = tiny_model("llama", "sdpa", **length_dependent_rope("llama", rope_type))
+    with pytest.raises(UnsupportedSetupError, match=rf"rope type \['{rope_type}'\]: the rotary frequencies follow"):
         configure_sequence_parallel(model, 2)
 
 

@@ -54,7 +54,7 @@ def _rotary_classes(model_or_config) -> set[type]:
             for module in model_or_config.modules()
             if _length_updated(type(module)) and _is_length_dependent(getattr(module, "rope_type", None))
         }
-    if not _config_is_length_dependent(model_or_config):
+    if not is_length_dependent_rope(model_or_config):
         return set()
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
@@ -89,7 +89,9 @@ def _is_length_dependent(rope_type) -> bool:
     return any(isinstance(name, str) and name.startswith(LENGTH_DEPENDENT_ROPE_TYPES) for name in names)
 
 
-def _config_is_length_dependent(config) -> bool:
+def is_length_dependent_rope(config) -> bool:
+    """Whether `config` (or a config nested in it, per layer type too) has a rope type whose frequencies follow the
+    sequence length."""
     configs = [config] + [value for value in vars(config).values() if hasattr(value, "rope_parameters")]
     for each in configs:
         parameters = getattr(each, "rope_parameters", None) or {}
