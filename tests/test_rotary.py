@@ -144,6 +144,14 @@ def test_compiled_longrope_model_equals_eager_on_every_new_layout():
     assert frames[2:] == [frames[1]] * (len(frames) - 2), frames
 
 
+def test_compiled_dynamic_rope_model_equals_eager_on_every_new_layout():
+    """The dynamic route reads the long documents' lengths on the host, as transformers' own dynamic update does: the
+    compiled model breaks its graph there and still follows each batch's documents."""
+    overrides = length_dependent_rope("llama", "dynamic", switch_length=10)
+    batch_differences, _ = compiled_and_eager_differences("llama", "sdpa", "auto", **overrides)
+    assert all(max(difference) <= COMPILE_TOLERANCE for difference in batch_differences), batch_differences
+
+
 def test_an_unpacked_batch_is_rotated_as_transformers_rotates_it():
     """A right-padded 0/1 batch without `position_ids` (every row at positions 0, 1, ..., so one run of the whole
     length): configuring changes nothing, whatever the rows' lengths."""
