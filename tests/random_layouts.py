@@ -33,11 +33,12 @@ BASE_SEQUENCE_COUNT = 12
 # The other row kinds, two per layout after the long row; `draw_layout` rotates through them.
 ROW_KINDS = ("filled", "tiny", "one_token", "mixed")
 # Config fields that bound a span of tokens a document must cross: sliding windows, attention chunks, the sparse
-# indexers' top-k and token budgets, convolution kernels, SSM chunks and lightning-attention blocks.
+# indexers' top-k and token budgets, convolution kernels, SSM chunks, lightning-attention blocks and the positions
+# over which Llama 4's attention temperature steps.
 WINDOW_FIELDS = (
     "sliding_window", "attention_chunk_size", "window_size", "attention_window_size", "index_topk", "indexer_budget",
     "conv_kernel", "d_conv", "mamba_d_conv", "conv_L_cache", "linear_conv_kernel_dim", "short_conv_kernel_size",
-    "conv_size", "chunk_size", "mamba_chunk_size", "block_size",
+    "conv_size", "chunk_size", "mamba_chunk_size", "block_size", "floor_scale",
 )  # fmt: skip
 
 

@@ -53,6 +53,7 @@ CASES = [
     ("bloom", "eager", "auto"),
     ("deepseek_v32", "sdpa", "dense"),
     ("deepseek_v32", "eager", "auto"),
+    ("llama4_text", "sdpa", "varlen"),  # the attention temperature of its layer without rope, per document
 ]
 FLASH_CASES = [(model_type, "flash_attention_2") for model_type in ("llama", "gemma3_text", "qwen3_5_text")]
 

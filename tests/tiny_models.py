@@ -97,6 +97,7 @@ _GEMMA3N_TEXT = {
     "laurel_rank": 8,
 }
 
+_LLAMA4_TEXT = {"no_rope_layers": [1, 0], "floor_scale": WINDOW}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -114,6 +115,10 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "gemma3n": {"text_config": _GEMMA3N_TEXT},
     # Fields left None by the defaults (the real checkpoints set them), so the generic shrink does not touch them.
     "deepseek_v2": {"num_experts_per_tok": 2},
+    # Llama 4: its second layer without rope (as every fourth layer of the checkpoints), where the attention
+    # temperature grows every `floor_scale` positions (8,192 by default: never crossed by the tiny rows).
+    "llama4_text": _LLAMA4_TEXT,
+    "llama4": {"text_config": _LLAMA4_TEXT},
     "dots1": {**_SLIDING_ON, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
     "hunyuan_v1_dense": {"head_dim": 16},
     "hunyuan_v1_moe": {"head_dim": 16},

@@ -4,10 +4,10 @@ attention on every backend, and `unconfigure_packing()`, which undoes it.
 Configuring checks the architecture and backend (`hook.support`), then replaces, through the one registry
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
 (`hook.builders`), sdpa's attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`), the sparse
-key indexers (`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), the rotary embeddings whose
-frequencies follow the batch's length (`hook.rotary`), and adds the model's guards
-(`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that passes its top-level
-`use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
+key indexers (`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), Llama 4's attention temperature
+(`hook.attention.temperature`), the rotary embeddings whose frequencies follow the batch's length (`hook.rotary`),
+and adds the model's guards (`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that
+passes its top-level `use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -22,7 +22,7 @@ from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
 from . import builders, cache, guards, mixers, registry, rotary
-from .attention import alibi, indexers, varlen
+from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
 from .support.model_types import causal_lm_model_type
 
@@ -113,6 +113,7 @@ def configure_packing(
     mixers.patch_mixers(config.model_type)
     indexers.patch_indexers(config.model_type)
     alibi.patch_alibi(config.model_type)
+    temperature.patch_attention_temperature(config.model_type)
     rotary.patch_rotary_embeddings(model_or_config)
     return model_or_config
 

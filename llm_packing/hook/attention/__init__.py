@@ -5,7 +5,8 @@
 - `chunked`: chunked attention per document on transformers < 5.23, whose packed masks chunk along the row;
 - `mask_functions`: mask builder calls with image mask functions (bidirectional image blocks) bounded by the document;
 - `alibi`: ALiBi biases per document;
-- `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document.
+- `indexers`: the DeepSeek sparse attention indexers' top-k keys chosen per document;
+- `temperature`: Llama 4's query temperature (layers without rope) from each document's positions.
 
 May import: the hook's core modules (`registry`, `documents`, `masks`, `shapes`, `support`), `llm_packing.core`,
 `llm_packing.errors`, `llm_packing._compat`, torch and transformers; never `hook.configure` or `hook.media`.
