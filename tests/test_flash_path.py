@@ -62,6 +62,8 @@ FLASH_OVERRIDES = {"hrm_text": {"prefix_lm": False}}
 FLASH_DIFFERS_FROM_EAGER = {
     "qwen2_moe": "Qwen2MoeAttention keeps `sliding_window` but never passes it to the attention function, so "
     "FlashAttention attends the whole document where eager/sdpa/flex apply the window",
+    "phimoe": "PhimoeAttention passes no `sliding_window` to the attention function (phi3's does), so FlashAttention "
+    "attends the whole document where eager/sdpa/flex apply the window",
     "gpt_neo": "GPTNeoFlashAttention2 passes no window to the kernel, so FlashAttention attends the whole document in "
     "the 'local' layers where eager applies `window_size`",
 }

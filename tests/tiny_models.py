@@ -103,6 +103,9 @@ ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2_moe": _SLIDING_ON,
     "qwen3": _SLIDING_ON,
     "qwen3_moe": _SLIDING_ON,
+    # Off by default, on in checkpoints people fine-tune (Phi-3-mini-4k: 2,047 tokens; StarCoder2: 4,096; Mistral-based
+    # Mixtral, Ministral and SmolLM3 configs): the parity matrix proves their sliding layers too.
+    **dict.fromkeys(("phi3", "phimoe", "mixtral", "ministral3", "starcoder2", "smollm3"), _SLIDING_ON),
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
     # Gemma 4's full-attention layers get a wider head (512 by default) through `global_head_dim`.
@@ -142,6 +145,7 @@ ARCH_OVERRIDES: dict[str, dict] = {
     },
     # The audio and vision towers' own widths and sizes, which the generic shrink does not know.
     "phi4_multimodal": {
+        **_SLIDING_ON,
         "audio_config": {
             "num_blocks": 2,
             **dict.fromkeys(("depthwise_separable_out_channel", "ext_pw_out_channel", "nemo_conv_channels"), 64),
