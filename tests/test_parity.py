@@ -420,6 +420,21 @@ def test_refused_families_leak_with_the_hook(model_type, reason, monkeypatch):
     assert logit_difference > 1e-3
 
 
+def test_refused_config_fields_are_refused_and_leak_with_the_hook(monkeypatch):
+    """Inkling's `log_scaling_n_floor` (off by default): configuring refuses it with the reason, and with the support
+    check bypassed the packed documents are scaled by their row offsets (the reason's figure, on the fixed layout)."""
+    from llm_packing.hook.support import architectures
+
+    model = tiny_model("inkling_text", "eager", log_scaling_n_floor=4, log_scaling_alpha=1.0)
+    with pytest.raises(UnsupportedSetupError, match=r"`log_scaling_n_floor`=4: Inkling's attention log scaling"):
+        configure_packing_and_undo(model)
+    monkeypatch.setattr(architectures, "require_supported", lambda config: None)
+    batch = packed_batch()
+    with packing_configured(model):
+        logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
+    assert logit_difference > 5e-5
+
+
 def test_encoder_family_leak_is_its_bidirectional_attention(monkeypatch):
     """The encoder reason's cause: the same bert with `is_decoder=True` (causal self-attention) is exact under the
     hook, so what the default config leaks through is its bidirectional attention, not the hook."""

@@ -24,6 +24,7 @@ from .releases import backend_too_old
 from .table import (
     REFUSED_BACKENDS,
     REFUSED_CANDIDATES,
+    REFUSED_CONFIG_FIELDS,
     REFUSED_LAYER_TYPES,
     SDPA_DENSE_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
@@ -208,6 +209,8 @@ def require_supported(config) -> None:
             reason = image_text_backend_refusal(model_type, backend)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
+    if reason is None:
+        reason = refused_config_field(config, model_type)
     stateful = non_attention_layer_types(config) if reason is None else []
     if refused_kinds := [kind for kind in stateful if kind in REFUSED_LAYER_TYPES]:
         reason = f"`layer_types` holds {refused_kinds[0]!r} layers: {REFUSED_LAYER_TYPES[refused_kinds[0]]}"
@@ -220,6 +223,18 @@ def require_supported(config) -> None:
         f"{', '.join(supported_model_types())}. Use one of them, or train this model without packing (padding each "
         "document on its own row)."
     )
+
+
+def refused_config_field(config, model_type: str) -> str | None:
+    """Why a field set in `config` (or a config nested in it) is refused for `model_type` (`REFUSED_CONFIG_FIELDS`),
+    or None."""
+    configs = [config] + [value for value in vars(config).values() if hasattr(value, "to_dict")]
+    for (refused_type, field), why in REFUSED_CONFIG_FIELDS.items():
+        for each in configs:
+            value = getattr(each, field, None)
+            if value is not None and refused_type in (model_type, getattr(each, "model_type", None)):
+                return f"`{field}`={value!r}: {why}"
+    return None
 
 
 def sdpa_route(config) -> tuple[str, str | None]:

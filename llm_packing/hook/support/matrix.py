@@ -13,6 +13,7 @@ from .architectures import (
     FLASH_SAMPLES,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
+    REFUSED_CONFIG_FIELDS,
     REFUSED_LAYER_TYPES,
     _causal_lm_class,
     _refused_model_types,
@@ -108,6 +109,12 @@ def support_matrix_markdown() -> str:
         "| layer kind | reason |", "|---|---|",
     ]
     lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
+    lines += [
+        "", "## Refused config fields", "",
+        "A supported type whose config sets one of these (off in its default config) is refused.", "",
+        "| model_type | field | reason |", "|---|---|---|",
+    ]
+    lines += [f"| {model_type} | `{field}` | {why} |" for (model_type, field), why in REFUSED_CONFIG_FIELDS.items()]
     return "\n".join(lines + image_text_lines() + sequence_parallel_lines()) + "\n"
 
 

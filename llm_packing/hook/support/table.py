@@ -261,6 +261,16 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     ),
 }
 
+# Config fields that, set, make a supported type's attention read the packed row's positions instead of its
+# `position_ids` (the parity matrix proves the defaults, where they are off): (model_type, field) -> why.
+REFUSED_CONFIG_FIELDS: dict[tuple[str, str], str] = {
+    ("inkling_text", "log_scaling_n_floor"): (
+        "Inkling's attention log scaling takes each query's position from the packed row (`arange`), not from "
+        "`position_ids`, so a packed document is scaled by its row offset: up to 1.0e-04 off alone (tiny config, "
+        "`log_scaling_n_floor=4`, `log_scaling_alpha=1`; Inkling 2 reads `position_ids` and is exact)"
+    ),
+}
+
 # Supported types whose sdpa attention the varlen route (llm_packing/hook/attention/varlen.py) cannot express: they
 # keep transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
 # matrix's route axis.
