@@ -19,6 +19,8 @@ have one route.
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """
 
+import re
+
 import pytest
 import torch
 from call_counting import count_calls
@@ -420,19 +422,37 @@ def test_refused_families_leak_with_the_hook(model_type, reason, monkeypatch):
     assert logit_difference > 1e-3
 
 
-def test_refused_config_fields_are_refused_and_leak_with_the_hook(monkeypatch):
-    """Inkling's `log_scaling_n_floor` (off by default): configuring refuses it with the reason, and with the support
-    check bypassed the packed documents are scaled by their row offsets (the reason's figure, on the fixed layout)."""
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "leak"),
+    [
+        ("inkling_text", {"log_scaling_n_floor": 4, "log_scaling_alpha": 1.0}, 5e-5),
+        ("gemma", {"use_bidirectional_attention": True}, 1e-2),
+        ("gemma4_text", {"use_bidirectional_attention": "all"}, 1e-1),
+        ("gemma4_unified_text", {"use_bidirectional_attention": "all"}, 1e-1),
+    ],
+)
+def test_refused_config_values_are_refused_and_leak_with_the_hook(model_type, overrides, leak, monkeypatch):
+    """Each of `REFUSED_CONFIG_VALUES` (off by default): configuring refuses it with its reason, and with the support
+    check bypassed the packed documents differ from each document alone (sdpa, the fixed layout)."""
     from llm_packing.hook.support import architectures
 
-    model = tiny_model("inkling_text", "eager", log_scaling_n_floor=4, log_scaling_alpha=1.0)
-    with pytest.raises(UnsupportedSetupError, match=r"`log_scaling_n_floor`=4: Inkling's attention log scaling"):
+    model = tiny_model(model_type, "sdpa", **overrides)
+    field, value = next(iter(overrides.items()))
+    with pytest.raises(UnsupportedSetupError, match=re.escape(f"`{field}`={value!r}: ")):
         configure_packing_and_undo(model)
     monkeypatch.setattr(architectures, "require_supported", lambda config: None)
     batch = packed_batch()
     with packing_configured(model):
         logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
-    assert logit_difference > 5e-5
+    assert logit_difference > leak
+
+
+def test_the_values_refused_for_gemma_4_leave_its_vision_bidirectional_setting_packed():
+    """`use_bidirectional_attention="vision"` (image tokens only) is not refused: text-only packed rows stay exact."""
+    model = tiny_model("gemma4_text", "sdpa", use_bidirectional_attention="vision")
+    batch = packed_batch()
+    with packing_configured(model):
+        assert max(_max_differences(model, batch, attention_mask=batch["attention_mask"])) <= TOLERANCE
 
 
 def test_encoder_family_leak_is_its_bidirectional_attention(monkeypatch):

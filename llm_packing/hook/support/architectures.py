@@ -24,7 +24,7 @@ from .releases import backend_too_old
 from .table import (
     REFUSED_BACKENDS,
     REFUSED_CANDIDATES,
-    REFUSED_CONFIG_FIELDS,
+    REFUSED_CONFIG_VALUES,
     REFUSED_LAYER_TYPES,
     SDPA_DENSE_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
@@ -210,7 +210,7 @@ def require_supported(config) -> None:
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
     if reason is None:
-        reason = refused_config_field(config, model_type)
+        reason = refused_config_value(config, model_type)
     stateful = non_attention_layer_types(config) if reason is None else []
     if refused_kinds := [kind for kind in stateful if kind in REFUSED_LAYER_TYPES]:
         reason = f"`layer_types` holds {refused_kinds[0]!r} layers: {REFUSED_LAYER_TYPES[refused_kinds[0]]}"
@@ -225,14 +225,17 @@ def require_supported(config) -> None:
     )
 
 
-def refused_config_field(config, model_type: str) -> str | None:
-    """Why a field set in `config` (or a config nested in it) is refused for `model_type` (`REFUSED_CONFIG_FIELDS`),
-    or None."""
+def refused_config_value(config, model_type: str) -> str | None:
+    """Why a value set in `config` (or a config nested in it: an image-text model's text config) is refused for
+    `model_type` (`REFUSED_CONFIG_VALUES`), or None. Keyed by the model's own type: PaliGemma's gemma text config
+    sets bidirectional attention, which PaliGemma's packing bounds by the document."""
     configs = [config] + [value for value in vars(config).values() if hasattr(value, "to_dict")]
-    for (refused_type, field), why in REFUSED_CONFIG_FIELDS.items():
+    for (refused_type, field, refused), why in REFUSED_CONFIG_VALUES.items():
+        if refused_type != model_type:
+            continue
         for each in configs:
             value = getattr(each, field, None)
-            if value is not None and refused_type in (model_type, getattr(each, "model_type", None)):
+            if value not in (None, False) if refused is None else value == refused:
                 return f"`{field}`={value!r}: {why}"
     return None
 

@@ -13,7 +13,7 @@ from .architectures import (
     FLASH_SAMPLES,
     MATRIX_BACKENDS,
     REFUSED_BACKENDS,
-    REFUSED_CONFIG_FIELDS,
+    REFUSED_CONFIG_VALUES,
     REFUSED_LAYER_TYPES,
     _causal_lm_class,
     _refused_model_types,
@@ -110,11 +110,15 @@ def support_matrix_markdown() -> str:
     ]
     lines += [f"| {kind} | {reason} |" for kind, reason in REFUSED_LAYER_TYPES.items()]
     lines += [
-        "", "## Refused config fields", "",
-        "A supported type whose config sets one of these (off in its default config) is refused.", "",
-        "| model_type | field | reason |", "|---|---|---|",
+        "", "## Refused config values", "",
+        "A supported type whose config sets one of these (off in its default config) is refused (`set`: any value).",
+        "",
+        "| model_type | field | value | reason |", "|---|---|---|---|",
     ]
-    lines += [f"| {model_type} | `{field}` | {why} |" for (model_type, field), why in REFUSED_CONFIG_FIELDS.items()]
+    lines += [
+        f"| {model_type} | `{field}` | {'set' if value is None else f'`{value!r}`'} | {why} |"
+        for (model_type, field, value), why in REFUSED_CONFIG_VALUES.items()
+    ]
     return "\n".join(lines + image_text_lines() + sequence_parallel_lines()) + "\n"
 
 

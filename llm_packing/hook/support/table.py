@@ -261,14 +261,27 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     ),
 }
 
-# Config fields that, set, make a supported type's attention read the packed row's positions instead of its
-# `position_ids` (the parity matrix proves the defaults, where they are off): (model_type, field) -> why.
-REFUSED_CONFIG_FIELDS: dict[tuple[str, str], str] = {
-    ("inkling_text", "log_scaling_n_floor"): (
+# Config values that a supported type's default config leaves off, and under which its packed documents are not
+# isolated (the parity matrix proves the defaults): (model_type, field, value) -> why. A value of None refuses any
+# value set (not None or False).
+_BIDIRECTIONAL = (
+    "bidirectional attention over the whole sequence (an embedding model's setting), which the packed masks do not "
+    "bound by the document: {} off alone (tiny config, documents of 1-20 tokens)"
+)
+REFUSED_CONFIG_VALUES: dict[tuple[str, str, object], str] = {
+    ("inkling_text", "log_scaling_n_floor", None): (
         "Inkling's attention log scaling takes each query's position from the packed row (`arange`), not from "
         "`position_ids`, so a packed document is scaled by its row offset: up to 1.0e-04 off alone (tiny config, "
         "`log_scaling_n_floor=4`, `log_scaling_alpha=1`; Inkling 2 reads `position_ids` and is exact)"
     ),
+    ("gemma", "use_bidirectional_attention", True): _BIDIRECTIONAL.format("1.1e-01 on sdpa"),
+    **{
+        (model_type, "use_bidirectional_attention", "all"): _BIDIRECTIONAL.format(difference)
+        for model_type, difference in (
+            ("gemma4", "7.3e-01"), ("gemma4_text", "7.3e-01"),
+            ("gemma4_unified", "7.4e-01"), ("gemma4_unified_text", "7.4e-01"),
+        )
+    },
 }
 
 # Supported types whose sdpa attention the varlen route (llm_packing/hook/attention/varlen.py) cannot express: they
