@@ -311,3 +311,38 @@ def test_stock_trl_wrapped_packing_hides_the_documents_from_our_collator(tmp_pat
                          processing_class=tokenizer, data_collator=DataCollatorWithPacking())
     assert "seq_lengths" not in trainer.train_dataset.column_names
     assert int(first_batch(trainer)["attention_mask"].max()) == 1  # several documents per row, one attention span
+
+
+# -- a plain transformers.Trainer ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keeps_columns", [True, False])
+def test_plain_trainer_with_its_defaults_collates_the_documents_of_packed_rows(tmp_path, keeps_columns, monkeypatch):
+    """`transformers.Trainer` drops the dataset columns its model's `forward` does not name (`remove_unused_columns`
+    is on by default). While packing is configured it keeps `seq_lengths`, so `DataCollatorWithPacking` gets each
+    row's documents. Control (`keeps_columns=False`, the patch undone): the rows arrive whole, as one document each."""
+    from transformers import Trainer, TrainingArguments
+
+    from llm_packing.hook import trainer_columns
+
+    if not keeps_columns:
+        monkeypatch.setattr(trainer_columns, "keep_packing_columns", lambda: None)
+    model = tiny_model()
+    configure_packing(model)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, **QUIET)
+    trainer = Trainer(model=model, args=args, train_dataset=packed_rows(), data_collator=DataCollatorWithPacking())
+    documents_per_row = [int(row.max()) for batch in trainer.get_train_dataloader() for row in batch["attention_mask"]]
+    packed_documents = [len(row) for row in packed_rows()["seq_lengths"]]
+    assert max(packed_documents) > 1
+    expected = packed_documents if keeps_columns else [1] * len(packed_documents)
+    assert sorted(documents_per_row) == sorted(expected)
+
+
+def test_unconfigure_restores_the_trainers_columns(tmp_path):
+    from transformers import Trainer
+
+    original = Trainer._set_signature_columns_if_needed
+    configure_packing(tiny_model())
+    assert Trainer._set_signature_columns_if_needed is not original
+    unconfigure_packing()
+    assert Trainer._set_signature_columns_if_needed is original

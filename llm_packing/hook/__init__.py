@@ -12,6 +12,7 @@ every backend, and `unconfigure_packing()` undoes it.
 - `rotary`: rope types whose frequencies follow the sequence length (`longrope`, `dynamic`) given each document's own;
 - `mixers`: hybrid models' conv / SSM / delta-net mixers run per document;
 - `media/`: images and videos kept with their documents (the proven types prepared, all other media refused);
+- `trainer_columns`: `transformers.Trainer` keeps the packed rows' `seq_lengths` for the collator;
 - `guards`: training batches without documents, and kernels measured wrong on packed rows, refused;
 - `cache`: the KV cache of a packed forward refused with the fix, an image-text model's top-level `use_cache=False`
   passed on to its text model;

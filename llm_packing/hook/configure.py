@@ -6,8 +6,9 @@ Configuring checks the architecture and backend (`hook.support`), then replaces,
 (`hook.builders`), sdpa's attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`), the sparse
 key indexers (`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), Llama 4's attention temperature
 (`hook.attention.temperature`), the rotary embeddings whose frequencies follow the batch's length (`hook.rotary`),
-and adds the model's guards (`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that
-passes its top-level `use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
+`transformers.Trainer`'s choice of dataset columns, which keeps `seq_lengths` (`hook.trainer_columns`), and adds the
+model's guards (`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that passes its
+top-level `use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -21,7 +22,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import builders, cache, guards, mixers, registry, rotary
+from . import builders, cache, guards, mixers, registry, rotary, trainer_columns
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
 from .support.model_types import causal_lm_model_type
@@ -115,6 +116,7 @@ def configure_packing(
     alibi.patch_alibi(config.model_type)
     temperature.patch_attention_temperature(config.model_type)
     rotary.patch_rotary_embeddings(model_or_config)
+    trainer_columns.keep_packing_columns()
     return model_or_config
 
 
