@@ -646,3 +646,26 @@ def test_every_error_is_a_packing_error_and_the_builtin_callers_expect():
     assert issubclass(PackingTypeError, TypeError) and issubclass(UnsupportedSetupError, NotImplementedError)
     assert issubclass(ContaminationError, RuntimeError)
     assert all(issubclass(e, PackingError) for e in (PackingTypeError, ContaminationError, UnsupportedSetupError))
+
+
+def test_packed_training_labels_that_cross_into_the_next_document_are_refused():
+    """A hand-made packed batch whose label at a document's first token is not -100: the model shifts labels by one,
+    so the previous document's last token would learn to predict it. Refused in training; a row's first label (never
+    a target) and evaluation are not checked."""
+    model = tiny_model("llama", "sdpa").train()
+    configure_packing(model)
+    try:
+        batch = DataCollatorWithPacking()([{"input_ids": list(range(3, 10)), "seq_lengths": [3, 4]},
+                                            {"input_ids": list(range(20, 25)), "seq_lengths": [5]}])
+        labels = batch["labels"].clone()
+        labels[:, 0] = 7  # the first label of each row: never a target
+        crossing = labels.clone()
+        crossing[0, 3] = 6  # the second document's first token
+        model(**batch | {"labels": labels}, use_cache=False).loss.backward()
+        with pytest.raises(ContaminationError, match=r"label 6 at row 0, position 3, the first token of a document"):
+            model(**batch | {"labels": crossing}, use_cache=False)
+        model.eval()
+        with torch.no_grad():
+            model(**batch | {"labels": crossing}, use_cache=False)
+    finally:
+        unconfigure_packing()

@@ -82,7 +82,8 @@ def test_traced_hook_fails_from_the_second_layout(monkeypatch):
     try:
         differences, _ = compiled_and_eager_differences("llama", "sdpa", "dense")
     except Exception as error:  # noqa: BLE001 - dynamo's own error types for a failed trace vary by release
-        assert "expand" in str(error) or "position_ids must restart" in str(error), error
+        # The first batch's layout, frozen into the graph, does not fit the next batch's tensors or positions.
+        assert any(sign in str(error) for sign in ("expand", "position_ids must restart", "out of bounds")), error
         return
     assert max(max(difference) for difference in differences[1:]) > TOLERANCE, differences
 

@@ -108,6 +108,7 @@ def configure_packing(
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
         guards.refuse_batches_without_documents(model_or_config)
+        guards.refuse_labels_across_documents(model_or_config)
         guards.refuse_broken_kernels(model_or_config)
         cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)

@@ -8,6 +8,10 @@ train_dataset=pack_dataset(...))` with stock defaults collates each packed row w
 documents attend to each other). That batch is refused before any layer runs. Evaluation, generation and
 `verify_packing` (no gradients, or eval mode) are never refused.
 
+A packed training batch whose labels would teach one document to predict the next is refused too: the model shifts
+labels by one, so the label at a document's first token is the target of the previous document's last token, and must
+be -100 (`DataCollatorWithPacking` sets it; a hand-made collator may not). See `refuse_labels_across_documents`.
+
 A training forward on a kernel measured to compute packed gradients wrongly is refused the same way: FlashAttention
 4's varlen backward below head dim 32 (see `refuse_broken_kernels`).
 """
@@ -26,6 +30,40 @@ from .shapes import attention_head_dims
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
     """Add the check to `model` (idempotent; removed by `unconfigure_packing`)."""
     registry.add_forward_pre_hook(input_module(model), "training batches", _refuse_batch_without_documents)
+
+
+def refuse_labels_across_documents(model: torch.nn.Module) -> None:
+    """Add the labels check to the module that takes `labels` (a PEFT model's transformers model; idempotent)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "labels" in inspect.signature(inner.forward).parameters:
+        registry.add_forward_pre_hook(inner, "labels across documents", _refuse_labels_across_documents)
+
+
+def _refuse_labels_across_documents(module, args, kwargs):
+    labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+    if not (module.training and torch.is_grad_enabled()) or not isinstance(labels, torch.Tensor):
+        return
+    if kwargs.get("shift_labels") is not None:  # shifted already, within documents (`llm_packing.parallel`)
+        return
+    if not is_integer_mask(mask) or labels.shape != mask.shape or not mask.numel():
+        return
+    documents = documents_of(mask)  # the forward's one host copy of the mask, kept for its builders
+    if not documents.is_packed:
+        return
+    row_length = mask.shape[1]
+    starts = documents.starts[documents.starts % row_length != 0]  # a row's first label is never a target
+    if not len(starts):
+        return
+    targets = labels.reshape(-1)[torch.as_tensor(starts, device=labels.device)]
+    wrong = torch.nonzero(targets != -100).flatten().tolist()
+    if wrong:
+        row, column = divmod(int(starts[wrong[0]]), row_length)
+        raise ContaminationError(
+            f"A packed training batch has label {int(targets[wrong[0]])} at row {row}, position {column}, the first "
+            f"token of a document ({len(wrong)} such documents in the batch): the model shifts labels by one, so the "
+            "previous document's last token would learn to predict it. Set every document's first label to -100, as "
+            "`DataCollatorWithPacking` does."
+        )
 
 
 def refuse_broken_kernels(model: torch.nn.Module) -> None:
