@@ -63,6 +63,8 @@ PACKED = {
     "attention_mask": torch.tensor([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]]),
     "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]),
 }
+# The labels a collator makes for PACKED: -100 at each document's first token and on padding.
+PACKED_LABELS = torch.tensor([[-100, 6, -100, 8, 9, -100], [-100, -100, 13, -100, 15, 16]])
 
 
 def shown(value) -> str:
@@ -505,7 +507,7 @@ class TestRefusedForwards:
         before = hook_state()
         model.train()
         with pytest.raises(error, match=match):
-            model(**{**PACKED, "use_cache": False, **change}, labels=PACKED["input_ids"])
+            model(**{**PACKED, "use_cache": False, **change}, labels=PACKED_LABELS)
         model.eval()
         assert_same_hook_state(before)
         with torch.no_grad():
