@@ -114,18 +114,6 @@ def test_hook_refuses_restarting_positions_under_a_plain_mask():
           position_ids=torch.tensor([[1, 1, 0, 1, 2, 3]]), use_cache=False)
 
 
-def test_a_model_trained_in_eval_mode_is_guarded_too():
-    """`from_pretrained` returns a model in eval mode, which a hand-written loop may train as it is: with gradients on,
-    a batch that says nothing of its documents (a 0/1 mask, no `position_ids`) is refused in eval mode as in training
-    mode; under `torch.no_grad()` (evaluation, generation) it runs."""
-    model = configure_packing(tiny_model()).eval()
-    input_ids = torch.arange(10, 16)[None]
-    with pytest.raises(ContaminationError, match="nothing tells where its documents start"):
-        model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-    with torch.no_grad():
-        model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-
-
 @pytest.mark.slow
 def test_stock_trl_cutting_rows_before_our_collator_is_refused(tmp_path, tokenizer):
     # Our collator without `skip_prepare_dataset`: TRL cuts `input_ids` to max_length and leaves `seq_lengths` whole.

@@ -1,13 +1,12 @@
 """A configured model refuses the training batches that would leave its documents unisolated.
 
 `DataCollatorWithPacking` (and the hook's own packed forwards) always send `position_ids`, and an indexed mask
-whenever a row holds several documents. A training forward (gradients on, in training mode or not: `from_pretrained`
-returns a model in eval mode, which a hand-written loop may train as it is) that gets neither document ids in its mask
-nor `position_ids` comes from a collator that knows nothing of packing: TRL's default on
+whenever a row holds several documents. A training forward (module in training mode, gradients on) that gets neither
+document ids in its mask nor `position_ids` comes from a collator that knows nothing of packing: TRL's default on
 `pack_dataset` rows is the case that matters (`trl.SFTTrainer(model=configured_model,
 train_dataset=pack_dataset(...))` with stock defaults collates each packed row with an all-ones mask, so its
 documents attend to each other). That batch is refused before any layer runs. Evaluation, generation and
-`verify_packing` (no gradients) are never refused.
+`verify_packing` (no gradients, or eval mode) are never refused.
 
 A packed training batch whose labels would teach one document to predict the next is refused too: the model shifts
 labels by one, so the label at a document's first token is the target of the previous document's last token, and must
@@ -42,7 +41,7 @@ def refuse_labels_across_documents(model: torch.nn.Module) -> None:
 
 def _refuse_labels_across_documents(module, args, kwargs):
     labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
-    if not torch.is_grad_enabled() or not isinstance(labels, torch.Tensor):
+    if not (module.training and torch.is_grad_enabled()) or not isinstance(labels, torch.Tensor):
         return
     if kwargs.get("shift_labels") is not None:  # shifted already, within documents (`llm_packing.parallel`)
         return
@@ -80,7 +79,7 @@ def refuse_broken_kernels(model: torch.nn.Module) -> None:
 
 
 def _refuse_small_flash_attention_4_heads(module, args, kwargs):
-    if not torch.is_grad_enabled():
+    if not (module.training and torch.is_grad_enabled()):
         return
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     tensor = input_ids if isinstance(input_ids, torch.Tensor) else kwargs.get("inputs_embeds")
@@ -108,7 +107,7 @@ def input_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _refuse_batch_without_documents(module, args, kwargs):
-    if not torch.is_grad_enabled() or kwargs.get("position_ids") is not None:
+    if not (module.training and torch.is_grad_enabled()) or kwargs.get("position_ids") is not None:
         return
     mask = kwargs.get("attention_mask")
     if is_integer_mask(mask) and mask.numel() and documents_of(mask).is_packed:
