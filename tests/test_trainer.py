@@ -338,6 +338,24 @@ def test_plain_trainer_with_its_defaults_collates_the_documents_of_packed_rows(t
     assert sorted(documents_per_row) == sorted(expected)
 
 
+def test_a_trainer_imported_after_configuring_keeps_the_columns_through_the_collator(monkeypatch):
+    """`configure_packing` patches `Trainer` only where `transformers.trainer` is imported already (importing it costs
+    about a second); a `DataCollatorWithPacking` built later, while packing is configured, patches it then."""
+    import sys
+
+    from transformers import trainer
+
+    original = trainer.Trainer._set_signature_columns_if_needed
+    monkeypatch.delitem(sys.modules, "transformers.trainer")
+    configure_packing(tiny_model())
+    assert trainer.Trainer._set_signature_columns_if_needed is original
+    monkeypatch.setitem(sys.modules, "transformers.trainer", trainer)
+    DataCollatorWithPacking()
+    assert trainer.Trainer._set_signature_columns_if_needed is not original
+    unconfigure_packing()
+    assert trainer.Trainer._set_signature_columns_if_needed is original
+
+
 def test_unconfigure_restores_the_trainers_columns(tmp_path):
     from transformers import Trainer
 

@@ -122,6 +122,7 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "
                 "are laid out with an indexed `attention_mask`. Leave both off."
             )
+        _keep_trainer_columns()
 
     def torch_call(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         if self.processor is not None:
@@ -217,17 +218,32 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     @staticmethod
     def _check_model_configured() -> None:
-        try:
-            from ..hook.configure import is_packing_configured
-        except ImportError:  # the hook cannot even be imported, so it cannot have been applied
-            is_packing_configured = bool
-        if not is_packing_configured():
+        if not _hook_configured():
             raise ContaminationError(
                 "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
                 "the model hook is not applied: transformers would merge the documents into one. Call "
                 "`llm_packing.configure_packing(model)` before training, or use `padding_free=True` for an "
                 "unconfigured model (`check_model_configured=False` if you apply the hook yourself)."
             )
+
+
+def _hook_configured() -> bool:
+    try:
+        from ..hook.configure import is_packing_configured
+    except ImportError:  # the hook cannot even be imported, so it cannot have been applied
+        return False
+    return is_packing_configured()
+
+
+def _keep_trainer_columns() -> None:
+    """While packing is configured, a `transformers.Trainer` imported since keeps `seq_lengths` for this collator
+    (`llm_packing.hook.trainer_columns`; through the hook's registry, so `unconfigure_packing` undoes it)."""
+    try:
+        from ..hook import registry, trainer_columns
+    except ImportError:  # the hook cannot even be imported, so it cannot have been applied
+        return
+    if registry.is_active():
+        trainer_columns.keep_packing_columns()
 
 
 def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarray]:
