@@ -209,8 +209,12 @@ def require_supported(config) -> None:
             reason = image_text_backend_refusal(model_type, backend)
     if reason is None and (model_type, backend) in REFUSED_BACKENDS:
         reason = f"attention backend {backend!r}: {REFUSED_BACKENDS[model_type, backend]}"
-    if reason is None:
-        reason = refused_config_value(config, model_type)
+    if reason is None and (value_reason := refused_config_value(config, model_type)) is not None:
+        raise UnsupportedSetupError(
+            f"Packing cannot isolate documents for model_type {model_type!r} with {value_reason}. The type is proven "
+            "with its default config, where this setting is off; train this config without packing (each document "
+            "padded on its own row)."
+        )
     stateful = non_attention_layer_types(config) if reason is None else []
     if refused_kinds := [kind for kind in stateful if kind in REFUSED_LAYER_TYPES]:
         reason = f"`layer_types` holds {refused_kinds[0]!r} layers: {REFUSED_LAYER_TYPES[refused_kinds[0]]}"
@@ -235,7 +239,8 @@ def refused_config_value(config, model_type: str) -> str | None:
             continue
         for each in configs:
             value = getattr(each, field, None)
-            if value not in (None, False) if refused is None else value == refused:
+            is_refused = value not in (None, False) if refused is None else value == refused
+            if is_refused:
                 return f"`{field}`={value!r}: {why}"
     return None
 
