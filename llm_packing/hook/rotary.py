@@ -6,7 +6,7 @@ batch (`modeling_rope_utils.dynamic_rope_update`):
   `original_max_position_embeddings`, the long ones past it;
 - `"dynamic"` NTK scaling: the base stretched to the sequence length past `max_position_embeddings`.
 In a packed batch that length is the longest document's, so a short document packed beside one longer than the
-original context was rotated with frequencies it never gets alone (tiny configs: 107 of 111 types leaked, 1.2e-5 to
+original context was rotated with frequencies it never gets alone (tiny configs: 107 of 110 types leaked, 1.2e-5 to
 0.36 in the logits, `benchmarks/rope_parity.py`). The replaced `forward` of the rotary module gives each token the
 frequencies of its own document's length instead: positions restart at 0 per document, so that length is the last
 position of the token's run plus one ([`masks.document_lengths_per_token`], on the device). Each set of frequencies
