@@ -238,10 +238,8 @@ def _hook_configured() -> bool:
 def _keep_trainer_columns() -> None:
     """While packing is configured, a `transformers.Trainer` imported since keeps `seq_lengths` for this collator
     (`llm_packing.hook.trainer_columns`; through the hook's registry, so `unconfigure_packing` undoes it)."""
-    try:
-        from ..hook import registry, trainer_columns
-    except ImportError:  # the hook cannot even be imported, so it cannot have been applied
-        return
+    from ..hook import registry, trainer_columns
+
     if registry.is_active():
         trainer_columns.keep_packing_columns()
 

@@ -25,7 +25,7 @@ from ..errors import PackingTypeError, UnsupportedSetupError
 from . import builders, cache, guards, mixers, registry, rotary, trainer_columns
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
-from .support.model_types import causal_lm_model_type
+from .support.model_types import modeling_module
 
 
 # The functions the hook replaces: the mask builders (in masking_utils and in every module that imported them by name)
@@ -103,7 +103,7 @@ def configure_packing(
         if attn_implementation is not None:
             _set_backend(model_or_config, config, previous_backend)
         raise
-    _import_modeling_module(config)
+    modeling_module(config)  # imported now, so that its module-level builder bindings get patched too
     _patch_builders()
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
@@ -190,15 +190,3 @@ def _replace_builder_in(value):
         replaced = {key: _replace_builder_in(item) for key, item in value.items()}
         return replaced if any(replaced[key] is not value[key] for key in value) else value
     return value
-
-
-def _import_modeling_module(config) -> None:
-    """Import the architecture's modeling module now, so its module-level builder bindings get patched too."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    model_type = causal_lm_model_type(config)
-    if not model_type:
-        return
-    module_name = model_type_to_module_name(model_type)
-    with contextlib.suppress(ModuleNotFoundError):
-        importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")

@@ -25,14 +25,13 @@ rotates each prompt by its own length, as alone, where transformers takes the lo
 """
 
 import functools
-import importlib
 
 import torch
 
 from ..errors import UnsupportedSetupError
 from . import registry
 from .masks import document_lengths_per_token
-from .support.model_types import causal_lm_model_type
+from .support.model_types import config_parts, modeling_module
 
 
 LENGTH_DEPENDENT_ROPE_TYPES = ("longrope", "dynamic")
@@ -54,14 +53,8 @@ def _rotary_classes(model_or_config) -> set[type]:
             for module in model_or_config.modules()
             if _length_updated(type(module)) and _is_length_dependent(getattr(module, "rope_type", None))
         }
-    if not is_length_dependent_rope(model_or_config):
-        return set()
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    name = model_type_to_module_name(causal_lm_model_type(model_or_config) or "")
-    try:
-        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    except ModuleNotFoundError:
+    module = modeling_module(model_or_config) if length_dependent_rope_types(model_or_config) else None
+    if module is None:
         return set()
     return {value for value in vars(module).values() if isinstance(value, type) and _length_updated(value)}
 
@@ -89,17 +82,18 @@ def _is_length_dependent(rope_type) -> bool:
     return any(isinstance(name, str) and name.startswith(LENGTH_DEPENDENT_ROPE_TYPES) for name in names)
 
 
-def is_length_dependent_rope(config) -> bool:
-    """Whether `config` (or a config nested in it, per layer type too) has a rope type whose frequencies follow the
-    sequence length."""
-    configs = [config] + [value for value in vars(config).values() if hasattr(value, "rope_parameters")]
-    for each in configs:
-        parameters = getattr(each, "rope_parameters", None) or {}
+def length_dependent_rope_types(config) -> list[str]:
+    """The rope types of `config` (and of the configs nested in it, per layer type too) whose frequencies follow the
+    sequence length; empty for most models."""
+    found = set()
+    for part in config_parts(config):
+        parameters = getattr(part, "rope_parameters", None) or {}
         per_layer = parameters.values() if all(isinstance(value, dict) for value in parameters.values()) else []
         for entry in [parameters, *per_layer]:
-            if _is_length_dependent(entry.get("rope_type") if isinstance(entry, dict) else None):
-                return True
-    return False
+            rope_type = entry.get("rope_type") if isinstance(entry, dict) else None
+            if _is_length_dependent(rope_type):
+                found.add(rope_type)
+    return sorted(found)
 
 
 def _per_document(original):

@@ -17,7 +17,7 @@ from ..hook import registry
 from ..hook.attention import varlen
 from ..hook.configure import configure_packing
 from ..hook.mixers import MIXERS
-from ..hook.rotary import is_length_dependent_rope
+from ..hook.rotary import length_dependent_rope_types
 from ..hook.support.architectures import non_attention_layer_types
 from ..hook.support.sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES
 from .ulysses import check_heads, sharded_attention
@@ -105,19 +105,13 @@ def require_sequence_parallel_support(config, sequence_parallel_size: int) -> No
             f"Sequence parallelism cannot be used with model_type {model_type!r}: {reason}. Proven types: "
             f"{', '.join(SEQUENCE_PARALLEL_MODEL_TYPES)}. Set `sequence_parallel_size: 1`, or use one of those."
         )
-    if sequence_parallel_size > 1 and is_length_dependent_rope(config):
+    if sequence_parallel_size > 1 and (rope_types := length_dependent_rope_types(config)):
         raise UnsupportedSetupError(
             f"Sequence parallelism cannot be used with model_type {model_type!r} and its rope type "
-            f"{_rope_types(config)}: the rotary frequencies follow each document's length, which a rank holding a "
+            f"{rope_types}: the rotary frequencies follow each document's length, which a rank holding a "
             "piece of a document cannot read from its positions. Set `sequence_parallel_size: 1`."
         )
     check_heads(config.num_attention_heads, sequence_parallel_size)
-
-
-def _rope_types(config) -> list[str]:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    entries = parameters.values() if all(isinstance(value, dict) for value in parameters.values()) else [parameters]
-    return sorted({entry.get("rope_type") for entry in entries if isinstance(entry, dict)} - {None})
 
 
 def sequence_parallel_group(sequence_parallel_size: int):

@@ -19,7 +19,7 @@ import re
 from ..._compat import MASK_BUILDER_NAMES, TRANSFORMERS_VERSION
 from ...errors import UnsupportedSetupError
 from .image_text import PROVEN_IMAGE_TEXT_TYPES, backend_refusal as image_text_backend_refusal
-from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type
+from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type, config_parts
 from .releases import backend_too_old
 from .table import (
     REFUSED_BACKENDS,
@@ -233,11 +233,10 @@ def refused_config_value(config, model_type: str) -> str | None:
     """Why a value set in `config` (or a config nested in it: an image-text model's text config) is refused for
     `model_type` (`REFUSED_CONFIG_VALUES`), or None. Keyed by the model's own type: PaliGemma's gemma text config
     sets bidirectional attention, which PaliGemma's packing bounds by the document."""
-    configs = [config] + [value for value in vars(config).values() if hasattr(value, "to_dict")]
     for (refused_type, field, refused), why in REFUSED_CONFIG_VALUES.items():
         if refused_type != model_type:
             continue
-        for each in configs:
+        for each in config_parts(config):
             value = getattr(each, field, None)
             is_refused = value not in (None, False) if refused is None else value == refused
             if is_refused:

@@ -1,11 +1,14 @@
-"""The causal LM model types of the installed transformers, and which of them a config belongs to.
+"""The causal LM model types of the installed transformers, which of them a config belongs to, its modeling module,
+and the configs nested in it.
 
 The text config of a multimodal model (`mllama_text_model`) is listed under its package's causal LM type (`mllama`).
 Used by the support table (`architectures.py`) and the hook (`patch.py`); a module of its own, so that
 `architectures.py` and `multimodal.py` no longer import each other.
 """
 
+import contextlib
 import functools
+import importlib
 
 
 @functools.cache
@@ -38,6 +41,23 @@ def causal_lm_model_type(config) -> str | None:
     package = _package_of(type(config))
     same_package = [t for t in causal_lm_classes() if package is not None and _module_name(t) == package]
     return same_package[0] if len(same_package) == 1 else model_type
+
+
+def modeling_module(config):
+    """The modeling module of `config`'s causal LM type (`transformers.models.llama.modeling_llama`), imported; None
+    where the type has none."""
+    model_type = causal_lm_model_type(config)
+    if not model_type:
+        return None
+    name = _module_name(model_type)
+    with contextlib.suppress(ModuleNotFoundError):
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    return None
+
+
+def config_parts(config) -> list:
+    """`config` and the configs nested in it (an image-text model's `text_config`, `vision_config`, ...)."""
+    return [config] + [value for value in vars(config).values() if hasattr(value, "to_dict")]
 
 
 def _package_of(config_class) -> str | None:
