@@ -650,10 +650,10 @@ def test_every_error_is_a_packing_error_and_the_builtin_callers_expect():
     assert all(issubclass(e, PackingError) for e in (PackingTypeError, ContaminationError, UnsupportedSetupError))
 
 
-def test_packed_training_labels_that_cross_into_the_next_document_are_refused():
+def test_packed_labels_that_cross_into_the_next_document_are_refused():
     """A hand-made packed batch whose label at a document's first token is not -100: the model shifts labels by one,
-    so the previous document's last token would learn to predict it. Refused in training; a row's first label (never
-    a target) and evaluation are not checked."""
+    so the previous document's last token would learn to predict it (in training) or be scored on it (in evaluation).
+    Refused in both; a row's first label (never a target) is not checked."""
     model = tiny_model("llama", "sdpa").train()
     configure_packing(model)
     try:
@@ -668,6 +668,33 @@ def test_packed_training_labels_that_cross_into_the_next_document_are_refused():
             model(**batch | {"labels": crossing}, use_cache=False)
         model.eval()
         with torch.no_grad():
-            model(**batch | {"labels": crossing}, use_cache=False)
+            model(**batch | {"labels": labels}, use_cache=False)
+            with pytest.raises(ContaminationError, match=r"label 6 at row 0, position 3"):
+                model(**batch | {"labels": crossing}, use_cache=False)
+    finally:
+        unconfigure_packing()
+
+
+def test_a_training_step_left_in_eval_mode_needs_its_documents():
+    """`from_pretrained` returns an eval-mode model: a hand-written loop that never calls `model.train()` and feeds
+    naively collated packed rows (a 0/1 mask, no `position_ids`) with labels and gradients is refused as the same step
+    in training mode is. Evaluation without gradients, forwards without labels (`verify_packing`, the preference
+    trainers' padded forwards) and steps that say where documents start still run."""
+    model = tiny_model("llama", "sdpa").eval()
+    configure_packing(model)
+    try:
+        input_ids = torch.arange(3, 15).reshape(2, 6)
+        naive = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
+        with pytest.raises(ContaminationError, match=r"`labels` of shape \(2, 6\).*in eval mode.*model\.train\(\)"):
+            model(**naive, use_cache=False)
+        with torch.no_grad():
+            model(**naive, use_cache=False)
+        model(input_ids=input_ids, attention_mask=naive["attention_mask"], use_cache=False)
+        positions = torch.arange(6).repeat(2, 1)
+        model(**naive, position_ids=positions, use_cache=False).loss.backward()
+        packed = DataCollatorWithPacking()([{"input_ids": list(range(3, 10)), "seq_lengths": [3, 4]}])
+        model(**packed, use_cache=False).loss.backward()
+        unconfigure_packing()
+        model(**naive, use_cache=False).loss.backward()
     finally:
         unconfigure_packing()

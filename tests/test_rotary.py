@@ -32,6 +32,7 @@ STRADDLING_LAYOUT = ((20, 8, 12, 1, 7), (17, 16, 15), (30, 18))
 CASES = [
     ("phi3", "longrope"),  # Phi-3-128k, Phi-3.5 and Phi-4-mini ship longrope
     ("phimoe", "longrope"),  # Phi-3.5-MoE: its forward reads the length itself, for the mscale
+    ("phimoe", "linear"),  # the same mscale switch, on frequencies that do not change with the length
     ("llama", "longrope"),
     ("llama", "dynamic"),
     ("qwen2", "dynamic"),  # with sliding windows
@@ -64,9 +65,13 @@ def length_dependent_rope(model_type: str, rope_type: str, switch_length: int = 
         }
         # phi3 reads the original context from its own config field, which overrides the rope parameters'.
         fields = {"max_position_embeddings": 4 * switch_length, "original_max_position_embeddings": switch_length}
-    else:
+    elif rope_type == "dynamic":
         rope |= {"factor": 4.0}
         fields = {"max_position_embeddings": switch_length}
+    else:  # phimoe: cos and sin scaled by the mscale of the batch's length, for every rope type but the default
+        rope |= {"factor": 4.0, "original_max_position_embeddings": switch_length, "short_mscale": 1.0,
+                 "long_mscale": 1.5}
+        fields = {"max_position_embeddings": 4 * switch_length}
     if getattr(config, "head_dim", 0) is None:  # rope utils read an explicit None as the width (mixtral, minimax)
         fields["head_dim"] = head_dim
     return {"rope_parameters": {**parameters, "full_attention": rope} if per_layer else rope, **fields}

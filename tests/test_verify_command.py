@@ -2,17 +2,20 @@
 on leaks made on purpose (the hook left off; a leak in the backward only), 2 on usage errors; the JSON report's schema;
 `--all-backends` names every backend, missing kernels with their reason; the real SmolLM2-135M in bfloat16 (slow)."""
 
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
 from flex_modes import traced_flex
+from test_rotary import length_dependent_rope
 from tiny_models import tiny_model
 from transformers import BertConfig, BertLMHeadModel
 
 from llm_packing import cli
 from llm_packing.cli import verify, verify_routes
+from llm_packing.hook import rotary
 from llm_packing.hook.attention import varlen
 
 
@@ -35,6 +38,16 @@ def saved(tmp_path_factory):
         return str(folders[model_type])
 
     return save
+
+
+@pytest.fixture(scope="module", autouse=True)
+def accelerator_detected():
+    """DeepSpeed (installed by the test extra) prints its accelerator line to stdout the first time a model loads in
+    the process under pytest's capture; detected here, it does not land in the first test's captured verdict."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -81,7 +94,7 @@ def test_report_schema(saved, tmp_path, capsys):
     assert report["device"]["type"] == "cpu" and {"name", "platform", "threads"} <= set(report["device"])
     assert VERSION_KEYS <= set(report["versions"]) and report["versions"]["llm_packing"]
     assert report["layout"] == {"columns": 128, "rows": [[93, 1, 32, 1], [128], [1, 2, 3, 5, 8, 13, 21, 34, 1]],
-                                "seed": 0, "windows": {}}
+                                "seed": 0, "windows": {}, "length_switches": {}}
     (route,) = report["routes"]
     assert set(route) == ROUTE_KEYS and route["route"] == "eager"
     assert set(route["logits"]) == set(route["gradients"]) == COMPARISON_KEYS
@@ -203,6 +216,43 @@ def test_window_not_crossed_is_said(tmp_path, capsys):
     assert code == 0 and out.startswith("exact: ")
     assert read(tmp_path / "r.json")["layout"]["windows"] == {"sliding_window": {"tokens": 900, "crossed": False}}
     assert "note: sliding_window 900 is longer than every document here" in err
+
+
+def test_length_switch_not_crossed_is_said(tmp_path, capsys):
+    """Phi-3.5's longrope switches its frequencies past `original_max_position_embeddings` (4,096 tokens in the real
+    config; 900 here): rows whose documents are all shorter check nothing of the hook's per-document frequencies, and
+    the report and a note say so, with the `--max_length` that would."""
+    torch.manual_seed(0)
+    tiny_model("phi3", attn_implementation="eager", **length_dependent_rope("phi3", "longrope", 900)).save_pretrained(
+        tmp_path / "phi3")
+    code, out, err = run(["--model", str(tmp_path / "phi3"), "--report", str(tmp_path / "r.json")], capsys)
+    assert code == 0 and out.startswith("exact: ")
+    assert read(tmp_path / "r.json")["layout"]["length_switches"] == {
+        "longrope's original_max_position_embeddings": {"tokens": 900, "crossed": False}}
+    assert "note: longrope's original_max_position_embeddings is 900 tokens" in err and "--max_length 1216" in err
+
+
+def test_crossing_a_length_switch_checks_the_rotary_patch(tmp_path, capsys, monkeypatch):
+    """With the suggested `--max_length`, the rows cross the switch: exact with the hook, and contaminated (exit 1)
+    with the rotary patch undone, so `verify` on a user's Phi-3.5 would catch a regression there."""
+    torch.manual_seed(0)
+    tiny_model("phi3", attn_implementation="eager", **length_dependent_rope("phi3", "longrope", 40)).save_pretrained(
+        tmp_path / "phi3")
+    argv = ["--model", str(tmp_path / "phi3"), "--max_length", "69", "--report", str(tmp_path / "r.json")]
+    code, out, err = run(argv, capsys)
+    assert code == 0 and out.startswith("exact: ") and "note:" not in err
+    assert read(tmp_path / "r.json")["layout"]["length_switches"] == {
+        "longrope's original_max_position_embeddings": {"tokens": 40, "crossed": True}}
+    monkeypatch.setattr(rotary, "patch_rotary_embeddings", lambda model_or_config: None)
+    code, out, _ = run(argv, capsys)
+    assert code == 1 and out.startswith("contaminated: ")
+
+
+def test_llama_4_temperature_step_is_a_length_switch():
+    config = tiny_model("llama4_text").config
+    assert verify_routes.length_switches(config) == {
+        "Llama 4's attention temperature step (floor_scale)": config.floor_scale}
+    assert verify_routes.length_switches(tiny_model("llama").config) == {}
 
 
 class _Config:

@@ -98,6 +98,13 @@ _GEMMA3N_TEXT = {
 }
 
 _LLAMA4_TEXT = {"no_rope_layers": [1, 0], "floor_scale": WINDOW}
+# Gemma 4's small checkpoints reuse earlier layers' keys and values in their last layers (`num_kv_shared_layers`), and
+# transformers slices every layer's mask before them (`_maybe_slice_kv_shared_inputs`): two sliding and full pairs,
+# the second pair sharing. Its full-attention layers get a wider head (512 by default) through `global_head_dim`.
+_GEMMA4_KV_SHARED = {
+    "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+}
+_GEMMA4_TEXT = {"global_head_dim": 32, **_GEMMA4_KV_SHARED}
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen2": _SLIDING_ON,
     "qwen2_moe": _SLIDING_ON,
@@ -108,10 +115,10 @@ ARCH_OVERRIDES: dict[str, dict] = {
     **dict.fromkeys(("phi3", "phimoe", "mixtral", "ministral3", "starcoder2", "smollm3"), _SLIDING_ON),
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
-    # Gemma 4's full-attention layers get a wider head (512 by default) through `global_head_dim`.
-    "gemma4_text": {"global_head_dim": 32},
-    "gemma4": {"text_config": {"global_head_dim": 32}},
-    "gemma4_unified": {"text_config": {"global_head_dim": 32}},
+    "gemma4_text": _GEMMA4_TEXT,
+    "gemma4": {"text_config": _GEMMA4_TEXT},
+    "gemma4_unified_text": _GEMMA4_KV_SHARED,
+    "gemma4_unified": {"text_config": _GEMMA4_TEXT},
     "gemma3n_text": _GEMMA3N_TEXT,
     # Gemma 3n's image-audio-text wrapper on text-only batches: the text model above, a tiny audio encoder, and a
     # stand-in for its timm vision tower (`_timm_towers_stand_in`) that text-only batches never reach.

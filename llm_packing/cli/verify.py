@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                   "parameters": sum(p.numel() for p in model.parameters())},
         "dtype": settings.dtype, "device": _device(settings.device), "versions": versions(),
         "layout": {"columns": columns, "rows": rows, "seed": args.seed,
-                   "windows": _crossed(model.config, max(max(row) for row in rows))},
+                   "windows": _crossed(verify_routes.windows(model.config), rows),
+                   "length_switches": _crossed(verify_routes.length_switches(model.config), rows)},
         "routes": routes, "mixers": verify_routes.mixers_entry(model),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -107,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         if not window["crossed"]:
             print(f"note: {name} {window['tokens']} is longer than every document here: rows of {columns} tokens "
                   "do not cross it (pass a larger --max_length to check the windowed layers past it)", file=sys.stderr)
+    for name, switch in report["layout"]["length_switches"].items():
+        if not switch["crossed"]:
+            print(f"note: {name} is {switch['tokens']} tokens, longer than every document here: rows of {columns} "
+                  f"tokens do not check packed documents past it (pass --max_length {switch['tokens'] * 4 // 3 + 16} "
+                  "or more to check them; the rows then hold a longer document)", file=sys.stderr)
     if args.json:
         print(text)
     return code
@@ -153,9 +159,9 @@ def _device(device: str) -> dict:
     return {"type": kind, "name": name, "platform": platform.platform(), "threads": torch.get_num_threads()}
 
 
-def _crossed(config, longest: int) -> dict:
-    return {name: {"tokens": tokens, "crossed": longest > tokens}
-            for name, tokens in verify_routes.windows(config).items()}
+def _crossed(lengths: dict[str, int], rows: list[list[int]]) -> dict:
+    longest = max(max(row) for row in rows)
+    return {name: {"tokens": tokens, "crossed": longest > tokens} for name, tokens in lengths.items()}
 
 
 def _settings(parser, args) -> SimpleNamespace:

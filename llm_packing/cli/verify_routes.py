@@ -16,7 +16,8 @@ import time
 import torch
 
 from ..errors import PackingError
-from ..hook import mixers
+from ..hook import mixers, rotary
+from ..hook.attention import temperature
 from ..hook.attention.varlen import flash_varlen_op
 from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route
@@ -71,6 +72,12 @@ def windows(config) -> dict[str, int]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     found = {name: getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size")}
     return {name: value for name, value in found.items() if isinstance(value, int) and value > 0}
+
+
+def length_switches(config) -> dict[str, int]:
+    """The lengths, in tokens, past which the model's length-dependent rope or Llama 4's attention temperature change
+    (`longrope`'s original context, for one): only rows with a longer document check the hook's handling of them."""
+    return rotary.length_switches(config) | temperature.length_switches(config)
 
 
 def route_name(backend: str, route: str | None) -> str:

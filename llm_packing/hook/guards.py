@@ -41,10 +41,10 @@ def refuse_labels_across_documents(model: torch.nn.Module) -> None:
 
 def _refuse_labels_across_documents(module, args, kwargs):
     labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
-    if not (module.training and torch.is_grad_enabled()) or not isinstance(labels, torch.Tensor):
-        return
-    if kwargs.get("shift_labels") is not None:  # shifted already, within documents (`llm_packing.parallel`)
-        return
+    if not isinstance(labels, torch.Tensor) or kwargs.get("shift_labels") is not None:
+        return  # no loss, or labels shifted already, within documents (`llm_packing.parallel`)
+    if not module.training and torch.is_grad_enabled():
+        _refuse_eval_mode_step_without_documents(kwargs, mask, labels)
     if not is_integer_mask(mask) or labels.shape != mask.shape or not mask.numel():
         return
     documents = documents_of(mask)  # the forward's one host copy of the mask, kept for its builders
@@ -59,11 +59,27 @@ def _refuse_labels_across_documents(module, args, kwargs):
     if wrong:
         row, column = divmod(int(starts[wrong[0]]), row_length)
         raise ContaminationError(
-            f"A packed training batch has label {int(targets[wrong[0]])} at row {row}, position {column}, the first "
-            f"token of a document ({len(wrong)} such documents in the batch): the model shifts labels by one, so the "
-            "previous document's last token would learn to predict it. Set every document's first label to -100, as "
-            "`DataCollatorWithPacking` does."
+            f"A packed batch with `labels` has label {int(targets[wrong[0]])} at row {row}, position {column}, the "
+            f"first token of a document ({len(wrong)} such documents in the batch): the model shifts labels by one, "
+            "so the previous document's last token would learn to predict it (or be scored on it). Set every "
+            "document's first label to -100, as `DataCollatorWithPacking` does."
         )
+
+
+def _refuse_eval_mode_step_without_documents(kwargs, mask, labels) -> None:
+    """A loss with gradients in eval mode is a training step that never called `model.train()` (`from_pretrained`
+    returns an eval-mode model, and most decoders have no dropout to show it): refuse it as a training forward is
+    refused when nothing tells where its documents start. `verify_packing` and the preference trainers' padded
+    forwards pass no `labels`."""
+    if _tells_documents(kwargs, mask):
+        return
+    raise ContaminationError(
+        f"A forward with `labels` of shape {tuple(labels.shape)} and gradients on reached a model configured for "
+        f"packing in eval mode, with {_describe(mask)} and no `position_ids`: if its rows are packed, their "
+        "documents attend to each other. Call `model.train()` before training (`from_pretrained` returns an "
+        "eval-mode model) and collate with `llm_packing.DataCollatorWithPacking`; for unpacked rows, pass "
+        "`position_ids` or call `llm_packing.unconfigure_packing()` first."
+    )
 
 
 def refuse_broken_kernels(model: torch.nn.Module) -> None:
@@ -107,10 +123,8 @@ def input_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _refuse_batch_without_documents(module, args, kwargs):
-    if not (module.training and torch.is_grad_enabled()) or kwargs.get("position_ids") is not None:
-        return
     mask = kwargs.get("attention_mask")
-    if is_integer_mask(mask) and mask.numel() and documents_of(mask).is_packed:
+    if not (module.training and torch.is_grad_enabled()) or _tells_documents(kwargs, mask):
         return
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
@@ -121,6 +135,13 @@ def _refuse_batch_without_documents(module, args, kwargs):
         "with `llm_packing.PackedSFTTrainer`, or collate with `llm_packing.DataCollatorWithPacking` (it sends the "
         "indexed mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
     )
+
+
+def _tells_documents(kwargs, mask) -> bool:
+    """Whether a forward's inputs say where its documents start: `position_ids`, or document ids in its mask."""
+    if kwargs.get("position_ids") is not None:
+        return True
+    return is_integer_mask(mask) and bool(mask.numel()) and documents_of(mask).is_packed
 
 
 def _describe(mask) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
+from . import rotary
 from .media.image_text import causal_through_token_types
 from .media.verify_images import image_row_difference, includes_video
 from .verify_limits import PackingMeasurement, compare
@@ -171,14 +172,14 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     repeats = -(-columns // sum(map(len, documents)))  # rows of `columns` tokens even when the documents are fewer
     followed_ids = torch.stack([torch.cat(documents[k:] + documents[:k]).repeat(repeats)[:columns]
                                 for k in range(len(documents))])
-    followed_run = (followed_ids, None, None, {k: (k, 0) for k in range(len(documents))})
+    followed_runs = _followed_runs(model.config, followed_ids, documents)
 
     was_training = model.training
     model.eval()
     try:
         alone, alone_gradients = _through(model, alone_runs, documents, gradients)
         packed, packed_gradients = _through(model, [packed_run], documents, gradients)
-        followed, followed_gradients = (_through(model, [followed_run], documents, gradients) if atol is None
+        followed, followed_gradients = (_through(model, followed_runs, documents, gradients) if atol is None
                                         else (None, None))
     finally:
         model.train(was_training)
@@ -189,6 +190,19 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     relative = [[gradient / scale for gradient in side] if side is not None else None
                 for side in (packed_gradients, followed_gradients, alone_gradients)]
     return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=parameter.dtype))
+
+
+def _followed_runs(config, followed_ids: torch.Tensor, documents) -> list[tuple]:
+    """The noise floor rows as forwards: one batch of them, except where the rope's frequencies follow the sequence
+    length (`longrope`, `dynamic`). There each row is its own forward whose positions run 0 to its document's length
+    and start again, so that the document is rotated for its own length, as alone, with or without the rotary patch:
+    transformers rotates a batch for its largest position, so over whole rows the floor would grow by the very
+    difference the patch removes, and `verify` would not see the patch undone."""
+    if not rotary.length_dependent_rope_types(config):
+        return [(followed_ids, None, None, {k: (k, 0) for k in range(len(documents))})]
+    row = torch.arange(followed_ids.shape[1], device=followed_ids.device)
+    return [(ids[None], None, (row % len(document))[None], {k: (0, 0)})
+            for k, (ids, document) in enumerate(zip(followed_ids, documents, strict=True))]
 
 
 def _check_rows(rows, columns: int) -> None:

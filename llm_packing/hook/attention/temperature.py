@@ -37,6 +37,26 @@ def patch_attention_temperature(model_type: str) -> None:
             registry.replace_attribute(cls, "forward", registry.ours(wrap(cls.forward), eager=False))
 
 
+def length_switches(config) -> dict[str, int]:
+    """`floor_scale` where `config` (or its text config) tunes the temperature of layers without rope: a packed check
+    crosses the first step only with a document longer than it. Empty for every other model.
+
+    Example:
+    ```python
+    >>> from transformers import Llama4TextConfig
+    >>> from llm_packing.hook.attention.temperature import length_switches
+    >>> length_switches(Llama4TextConfig(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], floor_scale=8192))
+    {"Llama 4's attention temperature step (floor_scale)": 8192}
+
+    ```
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    without_rope = not all(getattr(text, "no_rope_layers", None) or [1])
+    if text.model_type in TEMPERATURE_MODULES and getattr(text, "attn_temperature_tuning", False) and without_rope:
+        return {"Llama 4's attention temperature step (floor_scale)": text.floor_scale}
+    return {}
+
+
 def _tunes_temperature(attention) -> bool:
     return bool(getattr(attention, "attn_temperature_tuning", False)) and not getattr(attention, "use_rope", True)
 

@@ -78,6 +78,7 @@ class PackedAttentionMask:
     segments: torch.Tensor
     max_segment: int
     window: int | None = None
+    __iter__ = None  # sliceable (`__getitem__`), not a sequence
 
     @classmethod
     def from_indexed_mask(cls, attention_mask: torch.Tensor, *, window: int | None = None, chunk: int | None = None):
@@ -129,6 +130,34 @@ class PackedAttentionMask:
             segments=segments_on_device.int(),
             max_segment=int(np.diff(segments).max(initial=0)),
             window=window,
+        )
+
+    def __getitem__(self, key):
+        """The layout itself for a slice that keeps the whole `(batch, head, query, key)` mask: Gemma 4 slices each
+        mask to the `logits_to_keep` last queries before its KV-shared layers, and in training (`logits_to_keep=0`)
+        that slice is every query. A part of the queries has no packed layout: refused.
+
+        Example:
+        ```python
+        >>> import torch
+        >>> from llm_packing.hook.attention.varlen import PackedAttentionMask
+        >>> layout = PackedAttentionMask.from_indexed_mask(torch.tensor([[1, 1, 2, 2, 2, 0]]))
+        >>> layout[:, :, slice(0, None), :] is layout
+        True
+
+        ```
+        """
+        sizes = (self.batch_size, 1, self.length, self.length)
+        keys = key if isinstance(key, tuple) else (key,)
+        if len(keys) <= len(sizes) and all(
+            isinstance(part, slice) and range(*part.indices(size)) == range(size)
+            for part, size in zip(keys, sizes, strict=False)
+        ):
+            return self
+        raise UnsupportedSetupError(
+            f"The packed varlen layout was sliced with {key!r}, keeping part of its rows' queries (Gemma 4's "
+            "KV-shared layers do this for an integer `logits_to_keep` above 0): the layout covers whole rows only. "
+            "Pass `logits_to_keep=0` to packed forwards, or configure with `attention_route='dense'`."
         )
 
 
