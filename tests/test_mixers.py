@@ -17,7 +17,7 @@ import torch
 from test_parity import TOLERANCE, _max_differences, _token_losses
 from tiny_models import PACKED_DOCUMENT_LENGTHS, packed_batch, tiny_model
 
-from llm_packing import verify_packing
+from llm_packing import DataCollatorWithPacking, verify_packing
 from llm_packing.errors import ContaminationError, UnsupportedSetupError
 from llm_packing.hook import documents, mixers, registry
 from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
@@ -66,6 +66,38 @@ def test_transformers_padding_free_path_leaks_through_mixers(model_type, backend
     model = tiny_model(model_type, backend)
     logit_difference, _ = _max_differences(model, packed_batch())
     assert logit_difference > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [kind for kind in MIXER_KINDS.values() if kind[0] not in _NO_SDPA],
+                         ids=[name for name, kind in MIXER_KINDS.items() if kind[0] not in _NO_SDPA])
+def test_padding_free_batches_are_refused_where_the_mixers_read_the_mask(model_type, backend):
+    """The same padding-free batch on a configured model: refused before any layer runs (training or not) where the
+    mixers read the documents from the mask (the leaks above), exact where they read `position_ids` (Griffin's RG-LRU
+    block). The collator's `padding_free=True` and `return_flash_attn_kwargs=True` send such batches."""
+    model = tiny_model(model_type, backend)
+    batch = packed_batch()
+    with packing_configured(model):
+        if mixers.mask_reading_mixers(model_type):
+            for training in (True, False):
+                model.train(training)
+                with pytest.raises(ContaminationError, match=r"padding-free batch .*`position_ids` restarting"):
+                    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            model.eval()
+            # A 0/1 mask with positions 0, 1, 2, ... (generation, unpacked rows) is not a padding-free batch.
+            model(input_ids=batch["input_ids"], attention_mask=torch.ones_like(batch["input_ids"]), use_cache=False)
+        else:
+            assert max(_max_differences(model, batch)) <= TOLERANCE
+
+
+def test_flattened_collator_batches_are_refused_for_a_hybrid():
+    model = tiny_model("lfm2", "sdpa").train()
+    features = [{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 3)]
+    with packing_configured(model):
+        for options in ({"padding_free": True}, {"return_flash_attn_kwargs": True}):
+            batch = DataCollatorWithPacking(max_length=16, **options)(features)
+            with pytest.raises(ContaminationError, match="Lfm2ShortConv read the documents only from an indexed"):
+                model(**batch, use_cache=False)
+        model(**DataCollatorWithPacking(max_length=16)(features), use_cache=False).loss.backward()
 
 
 # Kernels each model type calls when flash-linear-attention (`fla`) and `causal_conv1d` are installed.

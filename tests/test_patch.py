@@ -150,6 +150,24 @@ class TestBehaviour:
         with torch.no_grad(), pytest.raises(ValueError, match="numbered 1, 2, 3"):
             model(**batch, use_cache=False)
 
+    def test_a_model_of_a_type_never_configured_refuses_packed_batches(self, model):
+        """The mask builders are patched for every model, mixers and rotary embeddings per configured type: a second
+        model of another type (here a hybrid whose short convolutions would leak) refuses packed batches until it is
+        configured too. Its plain batches, and the configured type's, run."""
+        configure_packing(model)
+        hybrid = tiny_model("lfm2", attn_implementation="sdpa")
+        refused = r"model_type 'lfm2', which `configure_packing` was not called for \(configured: \['llama'\]\)"
+        with torch.no_grad(), pytest.raises(ContaminationError, match=refused):
+            hybrid(**PACKED, use_cache=False)
+        with torch.no_grad():
+            hybrid(input_ids=PACKED["input_ids"], attention_mask=torch.ones(2, 6, dtype=torch.long), use_cache=False)
+        configure_packing(hybrid)
+        assert verify_packing(hybrid) >= 0 and verify_packing(model) >= 0
+        unconfigure_packing()
+        configure_packing(hybrid)
+        with torch.no_grad(), pytest.raises(ContaminationError, match=r"'llama', which `configure_packing` was not"):
+            model(**PACKED, use_cache=False)
+
     def test_four_dimensional_mask_in_a_training_forward_raises(self, model):
         configure_packing(model)
         mask = torch.zeros(2, 1, 6, 6)
@@ -214,6 +232,39 @@ class TestRefusals:
             configure_packing(AutoConfig.for_model("bailing_hybrid"))
         assert not is_packing_configured()
         assert not _is_hook_wrapper(modeling_llama.create_causal_mask)
+
+    def test_remote_modeling_code_is_refused_and_would_leak(self, model, monkeypatch):
+        """A hub checkpoint loaded with `trust_remote_code=True` keeps a supported `model_type` but runs its own code
+        (its classes live in `transformers_modules`); this one makes its mask from `attention_mask[:, None, None, :]`,
+        as older hub code does. Refused, nothing patched; with the check undone, packed documents leak."""
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        from llm_packing.hook.support import architectures
+
+        class RemoteLlamaModel(modeling_llama.LlamaModel):
+            def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+                hidden = self.embed_tokens(input_ids)
+                causal = torch.ones(hidden.shape[1], hidden.shape[1], dtype=torch.bool).tril()[None, None]
+                mask = causal if attention_mask is None else causal & attention_mask[:, None, None, :].bool()
+                if position_ids is None:
+                    position_ids = torch.arange(hidden.shape[1])[None]
+                embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+                for layer in self.layers:
+                    hidden = layer(hidden, attention_mask=mask, position_embeddings=embeddings)
+                return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+        RemoteLlamaModel.__module__ = "transformers_modules.someone.modeling_remote"
+        remote = modeling_llama.LlamaForCausalLM(model.config)
+        remote.model = RemoteLlamaModel(model.config)
+        remote.load_state_dict(model.state_dict())
+        with pytest.raises(UnsupportedSetupError, match=r"RemoteLlamaModel \(module transformers_modules\.someone.*"
+                                                         r"Load the model without `trust_remote_code`"):
+            configure_packing(remote)
+        assert not is_packing_configured()
+        monkeypatch.setattr(architectures, "require_transformers_modeling_code", lambda model: None)
+        configure_packing(remote)
+        with pytest.raises(ContaminationError):
+            verify_packing(remote)
 
     def test_large_dense_mask_warns_once_with_the_linear_memory_alternative(self, model, monkeypatch):
         from llm_packing.hook import builders

@@ -339,7 +339,7 @@ def test_plain_trainer_with_its_defaults_collates_the_documents_of_packed_rows(t
 
 
 def test_a_trainer_imported_after_configuring_keeps_the_columns_through_the_collator(monkeypatch):
-    """`configure_packing` patches `Trainer` only where `transformers.trainer` is imported already (importing it costs
+    """`configure_packing` patches `Trainer` where `transformers.trainer` is imported already (importing it costs
     about a second); a `DataCollatorWithPacking` built later, while packing is configured, patches it then."""
     import sys
 
@@ -354,6 +354,37 @@ def test_a_trainer_imported_after_configuring_keeps_the_columns_through_the_coll
     assert trainer.Trainer._set_signature_columns_if_needed is not original
     unconfigure_packing()
     assert trainer.Trainer._set_signature_columns_if_needed is original
+
+
+IMPORTED_AFTER_CONFIGURING = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_models import tiny_model
+from llm_packing import configure_packing, unconfigure_packing
+from llm_packing.hook.registry import is_ours
+configure_packing(tiny_model("llama"))
+assert "transformers.trainer" not in sys.modules
+from transformers import Trainer
+print("patched", is_ours(Trainer._set_signature_columns_if_needed))
+unconfigure_packing()
+print("restored", not is_ours(Trainer._set_signature_columns_if_needed))
+print("finders", sum(type(finder).__name__ == "_PatchOnImport" for finder in sys.meta_path))
+"""
+
+
+def test_a_trainer_first_imported_after_configuring_keeps_the_columns():
+    """The order of a notebook: `configure_packing`, then `from transformers import Trainer`. `Trainer` is patched as
+    its module is imported, and restored, with the import finder removed, by `unconfigure_packing` (in a fresh
+    interpreter: here `transformers.trainer` is imported already)."""
+    import os
+    import subprocess
+    import sys
+
+    script = IMPORTED_AFTER_CONFIGURING.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.split(" ")[0] in ("patched", "restored", "finders")]
+    assert lines == ["patched True", "restored True", "finders 0"]
 
 
 def test_unconfigure_restores_the_trainers_columns(tmp_path):

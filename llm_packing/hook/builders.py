@@ -69,6 +69,7 @@ def _wrap_builder(original):
         if not check_documents(attention_mask, arguments.get("position_ids")):
             return original(*args, **kwargs)
         config = arguments["config"]
+        _refuse_unconfigured_model_type(config)
         if arguments.get(cache_name) is not None:
             raise ContaminationError(
                 "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
@@ -104,6 +105,19 @@ def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
     if isinstance(mask, torch.Tensor):
         documents.add_prepared_mask(mask)
     return _mark_prepared(mask)
+
+
+def _refuse_unconfigured_model_type(config) -> None:
+    """The mask builders are patched for every model, the rest of the hook (mixers, rotary, guards) per configured
+    type: a packed batch reaching a model of another type would be isolated in its attention only, if at all."""
+    model_type = getattr(config, "model_type", None)
+    if not registry.is_configured_model_type(model_type):
+        raise ContaminationError(
+            f"A packed batch (indexed `attention_mask`) reached a model of model_type {model_type!r}, which "
+            f"`configure_packing` was not called for (configured: {registry.configured_model_types()}): its "
+            "documents are not proven isolated, and its mixers or rotary embeddings are not patched. Call "
+            "`llm_packing.configure_packing(model)` on this model too."
+        )
 
 
 def _refuse_prepared_mask_in_training(attention_mask) -> None:

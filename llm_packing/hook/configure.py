@@ -25,7 +25,7 @@ from ..errors import PackingTypeError, UnsupportedSetupError
 from . import builders, cache, guards, mixers, registry, rotary, trainer_columns
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
-from .support.model_types import modeling_module
+from .support.model_types import config_parts, modeling_module
 
 
 # The functions the hook replaces: the mask builders (in masking_utils and in every module that imported them by name)
@@ -46,7 +46,9 @@ def configure_packing(
 
     Args:
         model_or_config ([`~transformers.PreTrainedModel`] or [`~transformers.PretrainedConfig`]):
-            The causal LM (or its config) that will receive packed batches.
+            The causal LM (or its config) that will receive packed batches. Given a config, the functions and
+            classes are patched, but the model's own guards (batches without documents, labels crossing documents,
+            padding-free batches for hybrids, KV caches) need the model: pass the model you train.
         attn_implementation (`str`, *optional*):
             If given, switch the model (or config) to this attention backend first: `"eager"`, `"sdpa"`,
             `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"flash_attention_4"`.
@@ -75,7 +77,7 @@ def configure_packing(
     text-only batches as the parity matrix proved it: a packed forward that carries its images, and video or audio
     for every model, raises `UnsupportedSetupError`.
     """
-    from .support.architectures import require_supported
+    from .support.architectures import require_supported, require_transformers_modeling_code
 
     _compat.check_transformers_internals()
     config = getattr(model_or_config, "config", model_or_config)
@@ -92,6 +94,7 @@ def configure_packing(
     try:
         require_supported(config)
         if isinstance(model_or_config, torch.nn.Module):
+            require_transformers_modeling_code(model_or_config)
             mixers.check_mixers_covered(model_or_config)
             indexers.check_indexers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
@@ -104,12 +107,14 @@ def configure_packing(
             _set_backend(model_or_config, config, previous_backend)
         raise
     modeling_module(config)  # imported now, so that its module-level builder bindings get patched too
+    registry.add_configured_model_types(_model_types(config))
     _patch_builders()
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
         guards.refuse_batches_without_documents(model_or_config)
         guards.refuse_labels_across_documents(model_or_config)
         guards.refuse_broken_kernels(model_or_config)
+        guards.refuse_flattened_batches_for_mixers(model_or_config, mixers.mask_reading_mixers(config.model_type))
         cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
@@ -119,6 +124,14 @@ def configure_packing(
     rotary.patch_rotary_embeddings(model_or_config)
     trainer_columns.keep_packing_columns()
     return model_or_config
+
+
+def _model_types(config) -> set[str]:
+    """The model types of `config` and of the configs nested in it, at any depth (a wrapper's text config)."""
+    found = {config.model_type}
+    for part in config_parts(config)[1:]:
+        found |= _model_types(part)
+    return found
 
 
 def _set_backend(model_or_config, config, backend: str) -> None:

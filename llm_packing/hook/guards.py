@@ -16,6 +16,7 @@ A training forward on a kernel measured to compute packed gradients wrongly is r
 4's varlen backward below head dim 32 (see `refuse_broken_kernels`).
 """
 
+import functools
 import inspect
 
 import torch
@@ -43,6 +44,8 @@ def _refuse_labels_across_documents(module, args, kwargs):
     labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
     if not isinstance(labels, torch.Tensor) or kwargs.get("shift_labels") is not None:
         return  # no loss, or labels shifted already, within documents (`llm_packing.parallel`)
+    if kwargs.get("fused_lm_head"):
+        return  # padded rows, which TRL's fused head under `pack_fused_lm_head` packs and checks itself
     if not module.training and torch.is_grad_enabled():
         _refuse_eval_mode_step_without_documents(kwargs, mask, labels)
     if not is_integer_mask(mask) or labels.shape != mask.shape or not mask.numel():
@@ -80,6 +83,35 @@ def _refuse_eval_mode_step_without_documents(kwargs, mask, labels) -> None:
         "eval-mode model) and collate with `llm_packing.DataCollatorWithPacking`; for unpacked rows, pass "
         "`position_ids` or call `llm_packing.unconfigure_packing()` first."
     )
+
+
+def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tuple[str, ...]) -> None:
+    """Refuse, before any layer runs, a padding-free batch for a model whose conv, SSM or delta-net mixers
+    (`mixer_names`, none for most models) read the documents from the indexed mask (idempotent). Such a batch has no
+    `attention_mask`, and `position_ids` that restart within its row, or `cu_seq_lens_q`: transformers isolates its
+    attention from those, but nothing hands them to the mixers, whose state would run from one document into the next
+    (tiny qwen3_next: 3.8e-2 off alone, lfm2: 6.2e-4)."""
+    if mixer_names:
+        registry.add_forward_pre_hook(input_module(model), "flattened batches",
+                                      functools.partial(_refuse_flattened_batch, mixer_names=mixer_names))
+
+
+def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...]):
+    if kwargs.get("attention_mask") is not None:
+        return
+    positions = kwargs.get("position_ids")
+    restarting = (isinstance(positions, torch.Tensor) and positions.shape[-1] > 1
+                  and bool((positions[..., 1:] == 0).any()))
+    if restarting or kwargs.get("cu_seq_lens_q") is not None:
+        layout = "`position_ids` restarting within a row" if restarting else "`cu_seq_lens_q`"
+        raise ContaminationError(
+            f"A padding-free batch (no `attention_mask`; {layout}) reached model_type {module.config.model_type!r}, "
+            f"whose {', '.join(mixer_names)} read the documents only from an indexed `attention_mask`: their conv "
+            "and recurrent state would run from one document into the next. Collate with "
+            "`llm_packing.DataCollatorWithPacking()` and its indexed mask (without `padding_free` or "
+            "`return_flash_attn_kwargs`; recipe: `padding_free: false`), not with TRL's `padding_free` or "
+            "transformers' `DataCollatorWithFlattening`."
+        )
 
 
 def refuse_broken_kernels(model: torch.nn.Module) -> None:

@@ -155,6 +155,23 @@ def mixer_classes(model_type: str) -> list[type]:
     return [getattr(module, name) for name in calls]
 
 
+def mask_reading_mixers(model_type: str) -> tuple[str, ...]:
+    """The names of `model_type`'s mixer classes that read the documents from the mask they are handed: not those
+    that read them from `position_ids` (Griffin's recurrent block), nor RWKV's and xLSTM's (the model's mask; they
+    take no `position_ids`).
+
+    Example:
+    ```python
+    >>> from llm_packing.hook.mixers import mask_reading_mixers
+    >>> mask_reading_mixers("lfm2"), mask_reading_mixers("recurrent_gemma"), mask_reading_mixers("llama")
+    (('Lfm2ShortConv',), (), ())
+
+    ```
+    """
+    calls = MIXERS.get(model_type, ("", {}))[1]
+    return tuple(name for name, call in calls.items() if call.documents == "mask")
+
+
 def patch_mixers(model_type: str) -> None:
     """Wrap the `forward` of every mixer class of `model_type`, and the `__call__` of its mask recorders
     (idempotent; `unconfigure_packing` restores them through the registry)."""

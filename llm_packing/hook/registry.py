@@ -63,6 +63,8 @@ class _Replacement:
 _replacements: list[_Replacement] = []
 _swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
 _hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward pre-hook
+_undos: dict[str, Callable[[], None]] = {}  # name -> what undoes a change that is neither attribute nor hook
+_configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
 
 
 def replace_attribute(owner, name: str, replacement) -> None:
@@ -118,12 +120,34 @@ def replaced_objects() -> list[tuple[Any, Any]]:
     return found
 
 
+def add_undo(name: str, undo: Callable[[], None]) -> None:
+    """Run `undo` at [`restore_all`], once per `name` (for a change that is neither an attribute nor a hook: an
+    import finder in `sys.meta_path`)."""
+    _undos.setdefault(name, undo)
+
+
+def add_configured_model_types(model_types) -> None:
+    """Record the model types `configure_packing` proved and patched (cleared at [`restore_all`])."""
+    _configured_model_types.update(model_types)
+
+
+def is_configured_model_type(model_type: str) -> bool:
+    return model_type in _configured_model_types
+
+
+def configured_model_types() -> list[str]:
+    return sorted(_configured_model_types)
+
+
 def is_active() -> bool:
-    return bool(_replacements or _swept or _hooks)
+    return bool(_replacements or _swept or _hooks or _undos)
 
 
 def restore_all() -> None:
     """Undo every replacement, newest first; safe to call twice."""
+    _configured_model_types.clear()
+    while _undos:
+        _undos.popitem()[1]()
     while _hooks:
         _hooks.popitem()[1].remove()
     while _replacements:

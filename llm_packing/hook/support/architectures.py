@@ -186,6 +186,25 @@ def non_attention_layer_types(config) -> list[str]:
     return sorted(kinds - ATTENTION_LAYER_TYPES)
 
 
+def require_transformers_modeling_code(model) -> None:
+    """
+    Raise [`UnsupportedSetupError`] if a module of `model` runs modeling code from outside transformers' own package
+    (a hub checkpoint loaded with `trust_remote_code=True` lands in `transformers_modules`): the model type's proof
+    is for transformers' code, and remote code builds its own masks and positions (a remote `LlamaModel` that makes
+    its mask from `attention_mask[:, None, None, :]`, as older hub code does, fails `verify_packing` under the hook:
+    `tests/test_patch.py`).
+    """
+    for module in model.modules():
+        if type(module).__module__.startswith("transformers_modules."):
+            model_type = getattr(getattr(model, "config", None), "model_type", "?")
+            raise UnsupportedSetupError(
+                f"{type(module).__name__} (module {type(module).__module__}) runs a checkpoint's own modeling code "
+                f"(`trust_remote_code=True`): packing is proven for transformers' code of model_type {model_type!r}, "
+                "and remote code builds its own masks and positions. Load the model without `trust_remote_code` "
+                "(transformers ships this model type), or train without packing."
+            )
+
+
 def require_supported(config) -> None:
     """
     Raise [`UnsupportedSetupError`] unless packed batches of this architecture are isolated exactly.
