@@ -1,9 +1,13 @@
+import pickle
+
 import numpy as np
 import pytest
 import torch
+from datasets import Dataset
 from hypothesis import given, settings, strategies as st
 
 from llm_packing.batches.collator import DataCollatorWithPacking
+from llm_packing.data.pack import pack_dataset
 from llm_packing.errors import ContaminationError, PackingTypeError, PackingValueError, SequenceTooLongError
 from llm_packing.hook import configure as patch
 
@@ -142,6 +146,55 @@ class TestRawExamples:
         assert sorted(found) == sorted(example["input_ids"] for example in examples if example["input_ids"])
 
 
+class TestRawExampleColumns:
+    """TRL's mask columns and a tokenizer's `attention_mask` on raw examples, which the collator packs itself."""
+
+    EXAMPLES = [
+        {"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 0, 1, 1]},
+        {"input_ids": [10, 11, 12, 13], "assistant_masks": [False, False, True, True]},
+        {"input_ids": [14, 15, 16], "labels": [14, -100, 16], "completion_mask": [1, 1, 0]},
+        {"input_ids": [17, 18], "completion_mask": [1, 1], "assistant_masks": [1, 0]},
+    ]
+    COLUMNS = {  # the same examples as dataset columns (a missing mask is all ones, missing labels the ids)
+        "input_ids": [[5, 6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16], [17, 18]],
+        "labels": [[5, 6, 7, 8, 9], [10, 11, 12, 13], [14, -100, 16], [17, 18]],
+        "completion_mask": [[0, 0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0], [1, 1]],
+        "assistant_masks": [[1, 1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1], [1, 0]],
+    }
+
+    def test_mask_columns_set_labels_as_pack_dataset_does(self):
+        collator = DataCollatorWithPacking(max_length=16, check_model_configured=False)
+        packed = pack_dataset(Dataset.from_dict(self.COLUMNS), 16)
+        assert packed["seq_lengths"] == [[5, 4, 3, 2]]  # one row, documents in input order, as the collator's
+        expected = [[-100, -100, -100, 8, 9, -100, -100, 12, 13, -100, -100, -100, -100, -100]]
+        assert collator([packed[0]])["labels"].tolist() == expected
+        assert collator(self.EXAMPLES)["labels"].tolist() == expected
+
+    def test_mask_columns_on_packed_rows(self):
+        row = {"input_ids": [1, 2, 3, 4, 5], "completion_mask": [1, 1, 1, 0, 1], "seq_lengths": [2, 3]}
+        labels = DataCollatorWithPacking(check_model_configured=False)([row])["labels"]
+        assert labels.tolist() == [[-100, 2, -100, -100, 5]]
+
+    @pytest.mark.parametrize("name", ["completion_mask", "assistant_masks"])
+    def test_mask_of_another_length(self, name):
+        with pytest.raises(PackingValueError, match=rf"'{name}' of feature 1 has 2 values, but 'input_ids' has 3"):
+            DataCollatorWithPacking()([{"input_ids": [1]}, {"input_ids": [1, 2, 3], name: [1, 1]}])
+
+    @pytest.mark.parametrize("mask", [[1, 1, 0], [0, 1, 1], torch.tensor([0, 1, 1])])  # right, left padding
+    def test_padded_tokenization_is_refused(self, mask):
+        examples = [{"input_ids": [5, 6], "attention_mask": [1, 1]}, {"input_ids": [0, 7, 8], "attention_mask": mask}]
+        with pytest.raises(PackingValueError, match=r"'attention_mask' of feature 1 holds 0: the examples were "
+                                                    r"tokenized with padding.*`padding=False`"):
+            DataCollatorWithPacking(max_length=8, check_model_configured=False)(examples)
+
+    def test_unpadded_attention_mask_is_ignored(self, configured):
+        examples = [{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]}, {"input_ids": [4, 5],
+                                                                            "attention_mask": [1, 1]}]
+        expected = DataCollatorWithPacking(max_length=8)([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+        batch = DataCollatorWithPacking(max_length=8)(examples)
+        assert all(torch.equal(batch[key], expected[key]) for key in expected)
+
+
 class TestMismatches:
     def test_unconfigured_model_is_refused(self, unconfigured):
         with pytest.raises(ContaminationError, match=r"configure_packing\(model\)"):
@@ -183,3 +236,62 @@ class TestMismatches:
     def test_bad_options(self, option):
         with pytest.raises(PackingValueError, match=next(iter(option))):
             DataCollatorWithPacking(**option)
+
+    @pytest.mark.parametrize("name", ["padding_free", "return_flash_attn_kwargs", "check_model_configured",
+                                      "assistant_only_loss"])
+    @pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+    def test_boolean_options_take_bools_only(self, name, value):
+        with pytest.raises(PackingTypeError, match=rf"`{name}` must be a bool \(True or False\), got {value!r} of "
+                                                   rf"type {type(value).__name__}. Pass `{name}=True` or"):
+            DataCollatorWithPacking(**{name: value})
+
+
+class TestWorkerProcesses:
+    """A DataLoader worker started by `spawn` (macOS, Windows) is a fresh process whose hook registry is empty: the
+    collator goes by whether packing was configured when it was built, and travels pickled with that record."""
+
+    def test_configured_when_built_counts_in_a_worker(self, monkeypatch):
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: True)
+        collator = pickle.loads(pickle.dumps(DataCollatorWithPacking()))
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: False)  # as in a spawned worker
+        monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+        assert collator(ROWS)["attention_mask"].tolist() == [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]]
+
+    def test_the_main_process_checks_at_each_batch(self, monkeypatch):
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: True)
+        collator = DataCollatorWithPacking()
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: False)  # unconfigured since
+        with pytest.raises(ContaminationError, match=r"configure_packing\(model\)"):
+            collator(ROWS)
+
+    def test_built_before_configuring_is_refused_in_a_worker(self, monkeypatch):
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: False)
+        collator = DataCollatorWithPacking()
+        monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+        with pytest.raises(ContaminationError, match=r"In a DataLoader worker process .* when it was built: build "
+                                                     r"it after `configure_packing\(model\)`"):
+            collator(ROWS)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("configured_first", [True, False])
+    def test_spawned_worker(self, configured_first):
+        from tiny_models import tiny_model
+
+        from llm_packing import configure_packing, unconfigure_packing
+
+        model = tiny_model("llama")
+        try:
+            if configured_first:
+                configure_packing(model)
+            collator = DataCollatorWithPacking()
+            if not configured_first:  # configured in the main process since, but not when the collator was built
+                configure_packing(model)
+            loader = torch.utils.data.DataLoader(ROWS, batch_size=2, collate_fn=collator, num_workers=1,
+                                                 multiprocessing_context="spawn")
+            if configured_first:
+                assert next(iter(loader))["attention_mask"].tolist() == [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]]
+            else:
+                with pytest.raises(ContaminationError, match=r"DataLoader worker process"):
+                    next(iter(loader))
+        finally:
+            unconfigure_packing()

@@ -7,6 +7,7 @@ from datasets import Dataset, DatasetDict
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llm_packing.data import pack as dataset_module
+from llm_packing.data._io import token_columns
 from llm_packing.data.pack import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
 
@@ -238,3 +239,55 @@ class TestStreaming:
             pack_dataset(stream, 2, return_stats=True)
         with pytest.raises(PackingValueError, match=r"`buffer_size` must be an integer >= 2"):
             pack_dataset(stream, 2, buffer_size=1)
+
+
+class TestRefusedInput:
+    """Input that would pack without an error but train on the wrong tokens: rows packed already, and padding."""
+
+    ALREADY_PACKED = r"'seq_lengths' column: its rows are packed already.*new `max_length`"
+    PADDED = r"holds 0: the examples were tokenized with padding.*`padding=False`"
+
+    def test_packed_rows_are_not_packed_again(self):
+        once = pack_dataset(Dataset.from_dict(SMALL), 4)
+        for again in (lambda: pack_dataset(once, 8), lambda: PackedDatasetEpochs(once, 8),
+                      lambda: pack_dataset(once.to_iterable_dataset(), 8)):
+            with pytest.raises(PackingValueError, match=r"`dataset` has a " + self.ALREADY_PACKED):
+                again()
+        with pytest.raises(PackingValueError, match=r"^Split 'train': `dataset` has a " + self.ALREADY_PACKED):
+            pack_dataset(DatasetDict({"train": once}), 8)
+
+    def test_packed_rows_of_a_stream_without_features(self):
+        def rows():
+            yield {"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}
+
+        stream = datasets.IterableDataset.from_generator(rows)
+        with pytest.raises(PackingValueError, match=r"Example 0 of the stream has a " + self.ALREADY_PACKED):
+            list(pack_dataset(stream, 8))
+
+    @pytest.mark.parametrize("mask", [[[1, 1, 0], [1, 1, 1]], [[1, 1, 1], [0, 1, 1]]])  # right and left padding
+    def test_padded_tokenization_is_refused(self, mask):
+        ds = Dataset.from_dict({"input_ids": [[5, 6, 0], [0, 7, 8]], "attention_mask": mask})
+        row = 0 if 0 in mask[0] else 1
+        with pytest.raises(PackingValueError, match=rf"Column 'attention_mask' in row {row} " + self.PADDED):
+            pack_dataset(ds, 8)
+        with pytest.raises(PackingValueError, match=rf"'attention_mask' of example {row} " + self.PADDED):
+            list(pack_dataset(ds.to_iterable_dataset(), 8))
+
+    def test_unpadded_attention_mask_packs_and_is_dropped(self):
+        ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]], "attention_mask": [[1, 1, 1], [1, 1], [1]]})
+        assert pack_dataset(ds, 4).to_dict() == pack_dataset(Dataset.from_dict(SMALL), 4).to_dict()
+        assert [row["input_ids"] for row in pack_dataset(ds.to_iterable_dataset(), 4)] == [[1, 2, 3, 6], [4, 5]]
+
+    def test_padding_is_found_in_any_record_batch_and_named_as_the_caller_counts(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(token_columns, "_CHECK_WINDOW", 50)  # many windows, over many chunks
+        rows = 3000
+        masks = [[1] * 10 for _ in range(rows)]
+        masks[2345][7] = 0
+        Dataset.from_dict({"input_ids": [[1] * 10] * rows, "attention_mask": masks}).save_to_disk(tmp_path)
+        ds = datasets.load_from_disk(tmp_path)  # memory-mapped, one chunk per 1,000 rows
+        assert ds.data.table.column("attention_mask").num_chunks > 1
+        with pytest.raises(PackingValueError, match=r"Column 'attention_mask' in row 2345 " + self.PADDED):
+            pack_dataset(ds, 64)
+        with pytest.raises(PackingValueError, match=r"Column 'attention_mask' in row 345 " + self.PADDED):
+            pack_dataset(ds.select(range(2000, 3000)), 64)
+        assert sum(map(len, pack_dataset(ds.select(range(2000)), 64)["seq_lengths"])) == 2000

@@ -20,10 +20,13 @@ from ..core.binpack import pack_sequences
 from ..core.checks import check_integer
 from ..core.rows import (
     IGNORE_INDEX,
+    MASK_COLUMNS,
     check_tokens,
     flat_integers,
     ignore_document_starts,
+    ignore_masked,
     length_error,
+    padding_error,
     position_ids,
     segment_aranges,
 )
@@ -37,7 +40,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     Takes either packed rows (with `seq_lengths`, as [`~llm_packing.data.pack.pack_dataset`] makes them) or raw
     tokenized examples, each one document, which it packs into rows of `max_length` tokens (or, without `max_length`,
-    puts one per row). `labels` default to `input_ids`.
+    puts one per row). `labels` default to `input_ids`; TRL's `completion_mask` / `assistant_masks` set the labels
+    where they are 0 to -100, as in `pack_dataset` (drop the column to train on those tokens). A raw example whose
+    `attention_mask` holds a 0 (tokenized with padding) is refused: its pad tokens would be packed as document tokens.
 
     Args:
         pad_token_id (`int`, *optional*, defaults to `0`):
@@ -59,7 +64,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
             precedence over them. For the `flash_attention_*` backends only.
         check_model_configured (`bool`, *optional*, defaults to `True`):
             Raise [`~llm_packing.errors.ContaminationError`] when an indexed mask with several documents in a row is
-            emitted while `configure_packing` is not applied. Turn off only if you apply the hook some other way.
+            emitted while `configure_packing` is not applied. In a DataLoader worker process (`num_workers > 0`),
+            which may be a fresh process (the `spawn` start method), whether it was applied when the collator was
+            built counts. Turn off only if you apply the hook some other way.
         return_tensors (`str`, *optional*, defaults to `"pt"`):
             Only `"pt"` is supported.
         processor (`ProcessorMixin`, *optional*):
@@ -107,6 +114,13 @@ class DataCollatorWithPacking(DataCollatorMixin):
     assistant_only_loss: bool = False
 
     def __post_init__(self):
+        for name in _BOOLEAN_OPTIONS:
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise PackingTypeError(
+                    f"`{name}` must be a bool (True or False), got {value!r} of type {type(value).__name__}. Pass "
+                    f"`{name}=True` or `{name}=False`, not a string or a number."
+                )
         check_integer("pad_token_id", self.pad_token_id, minimum=0, meaning="padding is embedded like any token",
                       fix="Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
                       "`pad_token_id=tokenizer.pad_token_id`.")
@@ -122,6 +136,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "
                 "are laid out with an indexed `attention_mask`. Leave both off."
             )
+        # Travels with the collator when a DataLoader pickles it into a worker process, where the hook's registry
+        # of a `spawn`ed worker is fresh and says nothing of the model in the main process.
+        self._configured_when_built = _hook_configured()
         _keep_trainer_columns()
 
     def torch_call(self, features: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,7 +205,7 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 f"Features {[i for i, p in enumerate(packed) if not p]} have no 'seq_lengths' but the others do: a "
                 "batch mixes packed rows and raw examples. Pack the whole dataset with `pack_dataset`, or none of it."
             )
-        examples = [_example(feature, i) for i, feature in enumerate(features)]
+        examples = [_example(feature, i, raw=not packed[0]) for i, feature in enumerate(features)]
         limit = "row" if packed[0] else "document"
         lengths = np.array([len(ids) for ids, _ in examples], dtype=np.int64)
         if self.max_length is not None and lengths.max() > self.max_length:
@@ -216,15 +233,20 @@ class DataCollatorWithPacking(DataCollatorMixin):
             for bin_ in np.split(result.order, result.bin_offsets[1:-1])
         ]
 
-    @staticmethod
-    def _check_model_configured() -> None:
-        if not _hook_configured():
-            raise ContaminationError(
-                "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
-                "the model hook is not applied: transformers would merge the documents into one. Call "
-                "`llm_packing.configure_packing(model)` before training, or use `padding_free=True` for an "
-                "unconfigured model (`check_model_configured=False` if you apply the hook yourself)."
-            )
+    def _check_model_configured(self) -> None:
+        if _hook_configured() or (self._configured_when_built and torch.utils.data.get_worker_info() is not None):
+            return
+        raise ContaminationError(
+            "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
+            "the model hook is not applied: transformers would merge the documents into one. Call "
+            "`llm_packing.configure_packing(model)` before training, or use `padding_free=True` for an "
+            "unconfigured model (`check_model_configured=False` if you apply the hook yourself). In a DataLoader "
+            "worker process the collator goes by whether the hook was applied when it was built: build it after "
+            "`configure_packing(model)`."
+        )
+
+
+_BOOLEAN_OPTIONS = ("padding_free", "return_flash_attn_kwargs", "check_model_configured", "assistant_only_loss")
 
 
 def _hook_configured() -> bool:
@@ -244,15 +266,19 @@ def _keep_trainer_columns() -> None:
         trainer_columns.keep_packing_columns()
 
 
-def _example(feature: dict[str, Any], index: int) -> tuple[np.ndarray, np.ndarray]:
+def _example(feature: dict[str, Any], index: int, raw: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) of a feature, with -100 where a mask column is 0; `raw`: one unpacked document."""
     if "input_ids" not in feature:
         raise PackingValueError(f"Feature {index} has no 'input_ids' (keys: {sorted(feature)}).")
     input_ids = _integers(feature["input_ids"], "input_ids", index)
-    if feature.get("labels") is None:
-        return input_ids, input_ids.copy()
-    labels = _integers(feature["labels"], "labels", index)
-    if len(labels) != len(input_ids):
-        raise length_error("labels", f"'labels' of feature {index}", len(labels), len(input_ids))
+    if raw and feature.get("attention_mask") is not None:
+        if not _integers(feature["attention_mask"], "attention_mask", index, len(input_ids)).all():
+            raise padding_error(f"'attention_mask' of feature {index}")
+    labels = input_ids.copy() if feature.get("labels") is None else \
+        _integers(feature["labels"], "labels", index, len(input_ids))
+    for name in MASK_COLUMNS:
+        if feature.get(name) is not None:
+            ignore_masked(labels, _integers(feature[name], name, index, len(input_ids)))
     return input_ids, labels
 
 
@@ -273,10 +299,13 @@ def _seq_lengths(feature: dict[str, Any], num_tokens: int, index: int) -> np.nda
     return seq_lengths
 
 
-def _integers(values, name: str, index: int) -> np.ndarray:
+def _integers(values, name: str, index: int, expected_length: int | None = None) -> np.ndarray:
     where = f"{name!r} of feature {index}"
-    array = flat_integers(values.numpy(force=True) if isinstance(values, torch.Tensor) else values, where)
-    if name != "seq_lengths":  # lengths are checked against the row by `_seq_lengths`
+    array = flat_integers(values.numpy(force=True) if isinstance(values, torch.Tensor) else values, where,
+                          booleans=name in (*MASK_COLUMNS, "attention_mask"))
+    if expected_length is not None and len(array) != expected_length:
+        raise length_error(name, where, len(array), expected_length)
+    if name in ("input_ids", "labels"):  # `seq_lengths` are checked against the row; masks hold any integer
         check_tokens(array, name, where)
     return array.astype(np.int64)
 

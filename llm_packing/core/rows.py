@@ -130,6 +130,46 @@ def length_error(name: str, where: str, count: int, expected: int) -> PackingVal
     )
 
 
+def padding_error(where: str) -> PackingValueError:
+    """
+    The error for an `attention_mask` that holds a 0: the examples were tokenized with padding, and packing would keep
+    the pad tokens as document tokens. `where` names the column and the example or row.
+
+    Example:
+    ```python
+    >>> str(padding_error("'attention_mask' of feature 1")).split(":")[0]
+    "'attention_mask' of feature 1 holds 0"
+
+    ```
+    """
+    return PackingValueError(
+        f"{where} holds 0: the examples were tokenized with padding, and packing keeps every token of `input_ids`, "
+        "so the pad tokens would be attended to and trained on as part of the document (and shift its positions "
+        "after left padding). Tokenize without padding (`padding=False`, the tokenizer's default), or drop the pad "
+        "tokens (keep the `input_ids` where `attention_mask` is 1) before packing."
+    )
+
+
+def already_packed_error(where: str) -> PackingValueError:
+    """
+    The error for input to `pack_dataset` that carries `seq_lengths`: its rows are packed already. `where` names the
+    dataset or the example.
+
+    Example:
+    ```python
+    >>> str(already_packed_error("`dataset`")).split(":")[0]
+    "`dataset` has a 'seq_lengths' column"
+
+    ```
+    """
+    return PackingValueError(
+        f"{where} has a 'seq_lengths' column: its rows are packed already (`pack_dataset` writes that column), and "
+        "packing them again would take each row as one document, merging its documents and training on their first "
+        "tokens. Pack the unpacked, tokenized dataset with the new `max_length` instead: `pack_dataset(tokenized, "
+        "max_length)`."
+    )
+
+
 def invalid_tokens(values: np.ndarray, name: str) -> np.ndarray:
     """Which `values` of the column `name` (`input_ids` or `labels`) a packed row cannot hold, as a boolean array."""
     wrong = (values < 0) | (values > INT32_MAX)

@@ -8,6 +8,7 @@ was cut is counted in the stats.
 """
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -20,13 +21,13 @@ from ..core.binpack import seed_from_components
 from ..core.checks import check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.plan import plan_rows
-from ..core.rows import MASK_COLUMNS
+from ..core.rows import MASK_COLUMNS, already_packed_error
 from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.gather import write_rows
 from ._io.gather_processes import row_ranges, write_in_processes
 from ._io.packed_cache import Destination, PackedWriter, destination, load_cached, load_files, shard_paths
 from ._io.resident_pages import ResidentPages
-from ._io.token_columns import TokenColumn, ValueChecks, labels_say_more
+from ._io.token_columns import TokenColumn, ValueChecks, check_unpadded, labels_say_more
 from .metadata import record_packing
 from .pack_image_text import is_image_text, pack_image_text_split
 
@@ -85,6 +86,8 @@ def pack_dataset(
             Tokenized examples with an `input_ids` column (lists of non-negative integers) and optionally `labels`
             (same lengths; -100 = not trained on) and TRL's `completion_mask` / `assistant_masks` (same lengths; the
             labels of tokens where they are 0 become -100). Without `labels`, the labels are the `input_ids`.
+            Refused: an `attention_mask` holding a 0 (tokenized with padding, whose pad tokens packing would keep)
+            and rows packed already (a `seq_lengths` column).
         max_length (`int`):
             Tokens per packed row.
         strategy (`str`, *optional*, defaults to `"bfd"`):
@@ -201,6 +204,8 @@ def _pack_streams(dataset, max_length, options, return_position_ids, processor, 
     from .streaming_image_text import is_image_text_stream, pack_image_text_stream
 
     def pack_stream(stream):
+        if stream.features is not None and "seq_lengths" in stream.features:
+            raise already_packed_error("`dataset`")
         if is_image_text_stream(stream, processor):
             return pack_image_text_stream(stream, max_length, processor=processor, chat_template=chat_template,
                                           **options)
@@ -214,6 +219,8 @@ def _pack_streams(dataset, max_length, options, return_position_ids, processor, 
 
 def _pack_split(dataset, max_length, overflow, options, storage, documents=None, num_proc=None, image_text=None):
     """One split packed (or loaded from the cache), formatted like its input; `documents` if already read."""
+    if "seq_lengths" in dataset.column_names:
+        raise already_packed_error("`dataset`")
     if is_image_text(dataset):
         packed, stats = pack_image_text_split(dataset, max_length, overflow, options, storage, num_proc=num_proc,
                                               **(image_text or {}))
@@ -277,6 +284,8 @@ class PackedDatasetEpochs:
         check_overflow_policy(overflow)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+        if "seq_lengths" in dataset.column_names:
+            raise already_packed_error("`dataset`")
         if is_image_text(dataset):
             raise PackingValueError(
                 "PackedDatasetEpochs packs tokenized text; image-text conversations are not repacked per epoch yet. "
@@ -359,6 +368,9 @@ class _Documents:
                 if "labels" in table.column_names else None
             self.masks = [TokenColumn(table, name, lengths, self.pages, self._checks) for name in MASK_COLUMNS
                           if name in table.column_names]
+            if "attention_mask" in table.column_names:  # a tokenizer's: a 0 marks padding, which packing would keep
+                mask = table.column("attention_mask")
+                self._checks.add(functools.partial(check_unpadded, mask, lengths, self.pages))
         except PackingError:
             self._checks.raise_failed()  # an earlier column's bad value first, as when checked in turn
             raise

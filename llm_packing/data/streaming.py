@@ -20,11 +20,13 @@ from ..core.checks import check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.rows import (
     MASK_COLUMNS,
+    already_packed_error,
     check_tokens,
     flat_integers,
     ignore_document_starts,
     ignore_masked,
     length_error,
+    padding_error,
     position_ids,
 )
 from ..core.stats import PackingStats
@@ -147,7 +149,11 @@ def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
             f"Example {row} has no 'input_ids' (keys: {sorted(example)}). Tokenize the stream first, e.g. "
             "`dataset.map(lambda ex: tokenizer(ex['text']))`."
         )
+    if "seq_lengths" in example:
+        raise already_packed_error(f"Example {row} of the stream")
     input_ids = _integers(example["input_ids"], "input_ids", row)
+    if example.get("attention_mask") is not None and not np.all(example["attention_mask"]):
+        raise padding_error(f"'attention_mask' of example {row}")
     labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
     for name in MASK_COLUMNS:
         if example.get(name) is not None:

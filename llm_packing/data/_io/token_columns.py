@@ -20,6 +20,7 @@ from ...core.rows import (
     MASK_COLUMNS,
     invalid_tokens,
     length_error,
+    padding_error,
     segment_aranges,
     token_error,
 )
@@ -195,6 +196,26 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray, pages
             index = int(np.argmax(wrong)) + (int(row_ends[first - 1]) if first else 0)
             row = int(np.searchsorted(row_ends, index, side="right"))
             raise token_error(name, f"Column {name!r} in row {row}", int(values[np.argmax(wrong)]))
+
+
+def check_unpadded(column: pa.ChunkedArray, lengths: np.ndarray, pages=None) -> None:
+    """Raise [`~llm_packing.core.rows.padding_error`] if a tokenizer's `attention_mask` column holds a 0 (padding).
+    One `pc.min` per window of rows (`lengths`: the `input_ids` row lengths), nothing copied; only a window with a 0
+    is read again, to name the row. A column that holds no integer lists is not a tokenizer's and is left alone."""
+    value_type = getattr(column.type, "value_type", None)
+    if value_type is None or not (pa.types.is_integer(value_type) or pa.types.is_boolean(value_type)):
+        return
+    for first, last in row_windows(lengths):
+        window = column.slice(first, last - first)
+        low = pc.min(pc.list_flatten(window)).as_py()
+        _check_pages(pages)
+        if low is None or low > 0:
+            continue
+        zeros = np.flatnonzero(flat_values(column, first, last) == 0)
+        if len(zeros):
+            row_ends = np.cumsum(pc.list_value_length(window).fill_null(0).to_numpy(zero_copy_only=False))
+            row = first + int(np.searchsorted(row_ends, zeros[0], side="right"))
+            raise padding_error(f"Column 'attention_mask' in row {row}")
 
 
 def _check_pages(pages) -> None:
