@@ -14,9 +14,11 @@ from ..demo.clips import DEMO_VIDEO_DATASET_NAME, load_clip_conversations
 from ..demo.photos import DEMO_IMAGE_TEXT_DATASET_NAME, load_photo_conversations
 from ..demo.pretrained import BUNDLED_MODEL_NAME, load_bundled_tokenizer
 from ..errors import PackingValueError
+from .main import UsageError
 
 
 DEMO_TOKENIZER_NAME = "demo"
+BUNDLED_DATASETS = (DEMO_DATASET_NAME, DEMO_IMAGE_TEXT_DATASET_NAME, DEMO_VIDEO_DATASET_NAME)
 LOCAL_FILE_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
 
 
@@ -90,6 +92,24 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     return dataset
+
+
+def load_named_documents(name: str, *, key: str = "--dataset_name", config: str | None = None, split: str = "train",
+                         max_samples: int | None = None):
+    """
+    `load_documents`, with a `name` that is neither on this machine nor reachable on the hub refused as a
+    [`~llm_packing.cli.main.UsageError`] naming `key` (the flag or recipe key that gave it), not `datasets`'
+    `ConnectionError` traceback.
+    """
+    try:
+        return load_documents(name, config=config, split=split, max_samples=max_samples)
+    except ConnectionError as error:  # datasets looked `name` up on the hub: offline, or no network
+        raise UsageError(
+            f"`{key}` {name!r} is neither a local file or folder (paths are relative to {os.getcwd()}) nor a bundled "
+            f"dataset ({', '.join(map(repr, BUNDLED_DATASETS))}), and the hub could not be reached to download it "
+            f"({error}). Check the name, or connect to the network (and unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) "
+            "for a hub dataset."
+        ) from None
 
 
 def tokenize_documents(dataset: datasets.Dataset, tokenizer, *, messages_field: str = "messages",

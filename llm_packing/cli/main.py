@@ -7,7 +7,8 @@ import importlib
 import re
 import sys
 
-from ..errors import PackingError
+from .. import __version__
+from ..errors import PackingError, PackingValueError
 
 
 COMMANDS = {
@@ -20,12 +21,23 @@ COMMANDS = {
 SLOW_IMPORTS = {"train": "torch, transformers and TRL", "verify": "torch and transformers"}
 
 
+class UsageError(PackingValueError):
+    """
+    A command line that cannot run as typed (no recipe, a recipe file that cannot be read, a dataset that is nowhere):
+    printed as one line with exit status 2, like argparse's own usage errors.
+    """
+
+
 def main(argv: list[str] | None = None):
     """Run the command named by the first argument of `argv` (default `sys.argv[1:]`) with the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"llm-packing {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         usage = "\n".join(f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items())
-        print(f"usage: llm-packing <command> [arguments]\n\ncommands:\n{usage}", file=sys.stderr)
+        print(f"usage: llm-packing <command> [arguments]\n       llm-packing --version\n\ncommands:\n{usage}",
+              file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\nunknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}.", file=sys.stderr)
             return 2
@@ -37,10 +49,14 @@ def main(argv: list[str] | None = None):
 
 
 def run_command(prog: str, main, argv: list[str]) -> int:
-    """`main(argv)`, with a `PackingError` (a user mistake) printed as one line and exit status 1; real bugs keep
-    their traceback. A command whose `main` returns an `int` (`verify`) exits with it, the others with 0."""
+    """`main(argv)`, with a `PackingError` (a user mistake) printed as one line and exit status 1 (a `UsageError`: 2);
+    real bugs keep their traceback. A command whose `main` returns an `int` (`verify`) exits with it, the others with
+    0."""
     try:
         status = main(argv)
+    except UsageError as error:
+        print(f"{prog}: error: {command_line_wording(str(error))}", file=sys.stderr)
+        return 2
     except PackingError as error:  # the message says what to fix, a traceback would bury it
         print(f"{prog}: error: {type(error).__name__}: {command_line_wording(str(error))}", file=sys.stderr)
         return 1

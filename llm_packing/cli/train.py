@@ -15,7 +15,6 @@ outside assistant turns with `assistant_only_loss: true`), `pack_dataset`, then
 
 import argparse
 import contextlib
-import difflib
 import json
 import logging
 import os
@@ -24,23 +23,25 @@ import textwrap
 from dataclasses import dataclass, field
 
 import torch
-import yaml
 from transformers import TrainerCallback, set_seed
 from trl import ModelConfig, SFTConfig, TrlParser, get_peft_config
 
 from ..batches.collator import DataCollatorWithPacking
-from ..core.checks import check_integer
+from ..core.checks import check_choice, check_integer
 from ..data.pack import pack_dataset
-from ..errors import PackingValueError, UnsupportedSetupError
+from ..errors import PackingError, PackingValueError, UnsupportedSetupError
 from ..hook.configure import packing_configured
 from ..trainers.sft import PackedSFTTrainer
 from .arguments import PackingArguments
-from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents
+from .documents import check_dataset_name, load_named_documents, load_tokenizer, tokenize_documents
+from .main import UsageError
+from .recipe_file import check_recipe_number, command_name, config_path, did_you_mean, read_recipe
 from .sample_reply import sample_reply
 from .startup import load_model, setup_logging
 
 
 logger = logging.getLogger("llm_packing.train")  # the name users know from `python -m llm_packing.train`
+TRAINERS = ("sft", "dpo", "grpo")
 
 
 @dataclass
@@ -118,7 +119,7 @@ class ScriptArguments:
         default="sft",
         metadata={"help": "sft (packed documents), or dpo / grpo: TRL's DPOTrainer / GRPOTrainer with their forwards "
                           "packed, taking DPOConfig / GRPOConfig keys (see llm_packing.cli.train_preference).",
-                  "choices": ["sft", "dpo", "grpo"]},
+                  "choices": list(TRAINERS)},
     )
 
     def __post_init__(self):
@@ -133,6 +134,8 @@ class ScriptArguments:
             raise PackingValueError(f"`model_config` must be a mapping of config keys, got {self.model_config!r}.")
         check_integer("max_samples", self.max_samples, optional=True,
                       fix="Write `max_samples: null` in the recipe to train on every example.")
+        # argparse checks the `choices` of a flag, not of a recipe value
+        check_choice("trainer", self.trainer, TRAINERS, fix="Write e.g. `trainer: sft` in the recipe.")
 
 
 def make_parser(trainer: str = "sft"):
@@ -143,7 +146,7 @@ def make_parser(trainer: str = "sft"):
     training_config = TRAINING_CONFIGS.get(trainer, PackedSFTConfig)
     # No abbreviated flags, so that a typo is reported rather than matched to some other option.
     parser = TrlParser((ScriptArguments, training_config, ModelConfig, PackingArguments), allow_abbrev=False,
-                       prog=_prog())
+                       prog=command_name())
     for action in parser._actions:  # HfArgumentParser gives `--no_X` the help of `--X` and "(default: False)"
         if action.option_strings and action.option_strings[0].startswith("--no_"):
             action.help, action.default = f"Same as `--{action.dest} false`.", argparse.SUPPRESS
@@ -160,11 +163,15 @@ def parse_args(argv: list[str] | None = None):
     Raises:
         `PackingValueError`: a recipe key or flag that no dataclass has (naming the closest valid one), a recipe that
             is not a mapping, or a combination this entry point cannot train.
+        `UsageError`: no recipe (and no model flag), a recipe file that cannot be read, or settings that TRL's or
+            transformers' own checks refuse (bf16 without a GPU).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--config=path` as `--config path`, the only form TrlParser reads.
     argv = [part for token in argv for part in (token.split("=", 1) if token.startswith("--config=") else [token])]
-    parser = make_parser(_trainer_name(argv))
+    path = config_path(argv)
+    recipe = None if path is None else read_recipe(path)
+    parser = make_parser(_trainer_name(argv, recipe))
     valid_keys = sorted({action.dest for action in parser._actions} - {"help"})
     if "--help_all" in argv:
         parser.print_help()
@@ -172,36 +179,32 @@ def parse_args(argv: list[str] | None = None):
     if "-h" in argv or "--help" in argv:
         print(short_help(parser))
         raise SystemExit(0)
-    path = _config_path(argv)
-    if path is not None:
-        with open(path, encoding="utf-8") as file:
-            try:
-                recipe = yaml.safe_load(file)  # plain data only: no tags that construct Python objects
-            except yaml.YAMLError as error:
-                raise PackingValueError(f"The recipe {path!r} is not valid YAML: {error}") from None
-        if not isinstance(recipe, dict):
-            raise PackingValueError(f"The recipe {path!r} must be a YAML mapping of `key: value`, got {recipe!r}.")
-        for key in recipe:
-            if key != "env" and key not in valid_keys:
-                raise PackingValueError(f"Unknown key {key!r} in {path!r}{_did_you_mean(key, valid_keys)}")
+    if path is None and not {"--model_name_or_path", "--model_config"} & {token.split("=", 1)[0] for token in argv}:
+        raise UsageError("`--config` is missing: give a training recipe, e.g. `--config recipes/tiny-cpu.yaml` (the "
+                         f"repository's recipes/ folder holds ready ones); `{command_name()} --help` lists its keys.")
+    for key, value in (recipe or {}).items():
+        if key != "env" and key not in valid_keys:
+            raise PackingValueError(f"Unknown key {key!r} in {path!r}{did_you_mean(key, valid_keys)}")
+        check_recipe_number(parser, key, value, path)
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag.startswith("--") and flag != "--config" and flag not in parser._option_string_actions:
-            raise PackingValueError(f"Unknown flag {flag!r}{_did_you_mean(flag[2:].replace('-', '_'), valid_keys)}")
-    script_args, training_args, model_args, packing_args = parser.parse_args_and_config(argv)
+            raise PackingValueError(f"Unknown flag {flag!r}{did_you_mean(flag[2:].replace('-', '_'), valid_keys)}")
+    try:
+        script_args, training_args, model_args, packing_args = parser.parse_args_and_config(argv)
+    except PackingError:
+        raise
+    except ValueError as error:  # TrainingArguments' and TRL's own checks: bf16 (SFTConfig's default) without a GPU
+        raise UsageError(_training_arguments_refusal(str(error))) from None
     _resolve_beside_recipe(training_args, "chat_template_path", path)
     _check_supported(script_args, training_args, model_args)
     check_dataset_name(script_args.dataset_name)  # before minutes of model loading, not after
     return script_args, training_args, model_args, packing_args
 
 
-def _prog() -> str:
-    return "llm-packing train" if os.path.basename(sys.argv[0]) == "llm-packing" else "python -m llm_packing.train"
-
-
 def short_help(parser) -> str:
     """`--help`: the recipe flag, the packing and data keys, and where the other keys come from."""
-    lines = [f"usage: {_prog()} --config RECIPE.yaml [--KEY VALUE ...]", "",
+    lines = [f"usage: {command_name()} --config RECIPE.yaml [--KEY VALUE ...]", "",
              "Fine-tune a causal LM on packed documents: no attention across documents, positions restarting per "
              "document.", "Every recipe key is also a flag (`--max_steps 5`); flags override the recipe.", "",
              "  --config PATH", "      A YAML recipe of `key: value` lines, e.g. recipes/tiny-cpu.yaml."]
@@ -226,28 +229,22 @@ def short_help(parser) -> str:
     return "\n".join(lines)
 
 
-def _config_path(argv: list[str]) -> str | None:
-    for i, token in enumerate(argv):
-        if token == "--config":
-            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                raise PackingValueError("`--config` needs a recipe path, e.g. `--config recipes/tiny-cpu.yaml`.")
-            return argv[i + 1]
-    return None
-
-
-def _trainer_name(argv: list[str]) -> str:
-    """The `trainer` of the flags, else of the recipe: it decides which TRL config parses the other keys."""
+def _trainer_name(argv: list[str], recipe: dict | None) -> str:
+    """The `trainer` of the flags, else of the recipe: it decides which TRL config parses the other keys (a name
+    that is not one is left for the parser to refuse)."""
     for i, token in enumerate(argv[:-1]):
         if token == "--trainer":
             return argv[i + 1]
-    path = _config_path(argv)
-    if path is None:
-        return "sft"
-    with open(path, encoding="utf-8") as file:
-        with contextlib.suppress(yaml.YAMLError):
-            recipe = yaml.safe_load(file)
-            return recipe.get("trainer", "sft") if isinstance(recipe, dict) else "sft"
-    return "sft"
+    trainer = (recipe or {}).get("trainer", "sft")
+    return trainer if isinstance(trainer, str) else "sft"
+
+
+def _training_arguments_refusal(message: str) -> str:
+    message = " ".join(message.split()).rstrip(".")
+    hint = ("This machine has no GPU: set `use_cpu: true` and `bf16: false` in the recipe (or pass `--use_cpu true "
+            "--bf16 false`)." if "bf16" in message and not torch.cuda.is_available() else
+            "Change that key in the recipe, or pass it as a flag.")
+    return f"The recipe and flags are refused by TRL / transformers: {message}. {hint}"
 
 
 def _resolve_beside_recipe(arguments, key: str, recipe_path: str | None) -> None:
@@ -261,21 +258,15 @@ def _resolve_beside_recipe(arguments, key: str, recipe_path: str | None) -> None
         setattr(arguments, key, beside)
 
 
-def _did_you_mean(key: str, valid_keys: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid_keys, n=1)
-    hint = f": did you mean {close[0]!r}?" if close else "."
-    return (f"{hint} Valid keys are the fields of ScriptArguments, SFTConfig, ModelConfig and PackingArguments; "
-            f"`{_prog()} --help_all` lists them.")
-
-
 def _check_supported(script_args, training_args, model_args) -> None:
     if getattr(training_args, "packing", False):
         raise PackingValueError(
             "`packing: true` turns on TRL's own packing, which this entry point replaces. Remove it and keep "
             "`block_diag_attn: true` (the default) to pack with per-document attention."
         )
-    if getattr(training_args, "max_length", 0) is None:  # GRPOConfig has no max_length: one packed row per batch
-        raise PackingValueError("`max_length` must be a positive integer (tokens per packed row), got None.")
+    # Here, not after loading the model and tokenizing. GRPOConfig has no max_length: one packed row per batch.
+    check_integer("max_length", getattr(training_args, "max_length", 1), meaning="tokens per packed row",
+                  fix="Set e.g. `max_length: 2048` in the recipe, or pass `--max_length 2048`.")
     if (model_args.model_name_or_path is None) == (script_args.model_config is None):
         raise PackingValueError(
             f"Give exactly one of `model_name_or_path` (got {model_args.model_name_or_path!r}) and `model_config` "
@@ -343,8 +334,9 @@ def train(script_args, training_args, model_args, packing_args):
     model = load_model(script_args, model_args, training_args, tokenizer)
     # With Ray, one process (global rank 0) packs into the shared `packed_dir`, and the others load its shards.
     with training_args.main_process_first(local=packing_args.packing_engine != "ray", desc="tokenizing and packing"):
-        documents = load_documents(script_args.dataset_name, config=script_args.dataset_config,
-                                   split=script_args.dataset_train_split, max_samples=script_args.max_samples)
+        documents = load_named_documents(script_args.dataset_name, key="dataset_name",
+                                         config=script_args.dataset_config, split=script_args.dataset_train_split,
+                                         max_samples=script_args.max_samples)
         documents = tokenize_documents(documents, tokenizer, messages_field=script_args.dataset_messages_field,
                                        text_field=training_args.dataset_text_field,
                                        assistant_only_loss=training_args.assistant_only_loss,
