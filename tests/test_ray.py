@@ -141,6 +141,19 @@ def test_bad_ids_refused_as_pack_dataset_refuses_them(tmp_path, bad, found):
     assert shards(tmp_path) == []
 
 
+@pytest.mark.parametrize("column, values, found", [
+    ("attention_mask", [[1, 1], [0, 1]], r"'attention_mask' in row 1 holds 0: the examples were tokenized"),
+    ("seq_lengths", [[1, 1], [1]], r"has a 'seq_lengths' column: its rows are packed already"),
+])
+def test_padded_or_packed_blocks_refused_as_pack_dataset_refuses_them(tmp_path, column, values, found):
+    table = pa.table({"input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int64())), column: values})
+    with pytest.raises(PackingValueError, match=found.split(":")[-1].strip()):
+        single_machine([table], 8)
+    with pytest.raises(PackingValueError, match=found):
+        pack_dataset_on_ray(ray.data.from_arrow([table]), 8, str(tmp_path))
+    assert shards(tmp_path) == []
+
+
 def test_refuses_a_directory_with_shards(tmp_path):
     (tmp_path / "packed_00000_of_00001.arrow").write_bytes(b"")
     with pytest.raises(PackingValueError, match=r"already holds 1 packed shard"):

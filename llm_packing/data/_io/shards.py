@@ -18,13 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...core.overflow import Pieces
-from ...core.rows import MASK_COLUMNS
+from ...core.rows import MASK_COLUMNS, already_packed_error
 from ...core.stats import PackingStats
 from ...errors import PackingValueError
 from .gather import write_rows
 from .packed_cache import LAYOUT_VERSION, Destination, PackedWriter
 from .resident_pages import ResidentPages
-from .token_columns import TokenColumn, labels_say_more
+from .token_columns import TokenColumn, check_unpadded, labels_say_more
 
 
 TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
@@ -40,9 +40,13 @@ def block_lengths(table: pa.Table) -> tuple[np.ndarray, bool]:
             f"The block has no 'input_ids' column (columns: {table.column_names}). Tokenize it first, e.g. "
             "`dataset.map(lambda ex: tokenizer(ex['text']))`."
         )
+    if "seq_lengths" in table.column_names:
+        raise already_packed_error("The block")
     if "input_ids" not in table.column_names:
         return np.zeros(0, np.int64), False
     input_ids = TokenColumn(table, "input_ids")
+    if "attention_mask" in table.column_names:
+        check_unpadded(table.column("attention_mask"), input_ids.lengths)
     others = [TokenColumn(table, name, input_ids.lengths) for name in TOKEN_COLUMNS[1:] if name in table.column_names]
     return input_ids.lengths, bool(others) and labels_say_more(input_ids, others)
 
