@@ -4,7 +4,7 @@ that cannot run as typed (1 for a value a `PackingError` refuses), never in a tr
 import os
 
 import pytest
-import yaml
+from test_train import write_recipe
 
 from llm_packing import __version__, cli
 from llm_packing.cli.train import _training_arguments_refusal, parse_args
@@ -25,15 +25,6 @@ def last_error_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert "Traceback" not in err
     return lines[-1]
-
-
-def write_recipe(tmp_path, **changes) -> str:
-    with open(TINY, encoding="utf-8") as file:
-        recipe = yaml.safe_load(file)
-    recipe.update(changes)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    return str(path)
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])

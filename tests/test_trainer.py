@@ -387,6 +387,33 @@ def test_a_trainer_first_imported_after_configuring_keeps_the_columns():
     assert lines == ["patched True", "restored True", "finders 0"]
 
 
+@pytest.mark.parametrize("refused", [True, False])
+def test_transformers_flattening_collator_refuses_packed_rows(refused, monkeypatch):
+    """transformers' `DataCollatorWithFlattening` takes each `pack_dataset` row as one sequence; its restarting
+    `position_ids` pass the model's guard. While packing is configured it refuses rows with `seq_lengths` (unpacked
+    examples are its own job). Control (`refused=False`, the patch undone): the second document of a row attends to
+    the first."""
+    from transformers import DataCollatorWithFlattening
+
+    from llm_packing.hook import trainer_columns
+
+    if not refused:
+        monkeypatch.setattr(trainer_columns, "refuse_packed_rows_in_flattening_collator", lambda: None)
+    model = configure_packing(tiny_model()).eval()
+    row = next(row for row in packed_rows() if len(row["seq_lengths"]) > 1)
+    DataCollatorWithFlattening()([{"input_ids": row["input_ids"]}])
+    if refused:
+        with pytest.raises(ContaminationError, match="`DataCollatorWithFlattening` got rows with `seq_lengths`"):
+            DataCollatorWithFlattening()([row])
+        return
+    batch = DataCollatorWithFlattening()([row])
+    first, second = row["seq_lengths"][:2]
+    with torch.no_grad():
+        flattened = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        alone = model(input_ids=torch.tensor([row["input_ids"][first:first + second]])).logits[0]
+    assert (flattened[first:first + second] - alone).abs().max() > 1e-3
+
+
 def test_unconfigure_restores_the_trainers_columns(tmp_path):
     from transformers import Trainer
 

@@ -123,6 +123,7 @@ def configure_packing(
     temperature.patch_attention_temperature(config.model_type)
     rotary.patch_rotary_embeddings(model_or_config)
     trainer_columns.keep_packing_columns()
+    trainer_columns.refuse_packed_rows_in_flattening_collator()
     return model_or_config
 
 
