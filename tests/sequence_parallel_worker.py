@@ -137,7 +137,8 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
         output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
         bf16=False, activation_checkpointing=checkpointing, report_to="none", save_strategy="no",
-        logging_strategy="no", max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
+        logging_strategy="steps", logging_steps=1, include_num_input_tokens_seen="non_padding",
+        max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
     )
     try:
         trainer = PackedSFTTrainer(
@@ -147,7 +148,9 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
         )
         trainer.train()
         if rank == 0:
-            torch.save({name: p.detach().clone() for name, p in trainer.model.named_parameters()}, path)
+            (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+            torch.save({"parameters": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+                        "counts": (logged["num_tokens"], logged["num_input_tokens_seen"])}, path)
     finally:
         unconfigure_packing()
         if dist.is_initialized():

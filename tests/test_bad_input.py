@@ -48,7 +48,7 @@ from llm_packing import (
 from llm_packing._compat import MASK_BUILDER_NAMES
 from llm_packing.batches import collator as collator_module
 from llm_packing.data import pack as dataset_module
-from llm_packing.hook import builders
+from llm_packing.hook import builders, guards
 from llm_packing.hook.mixers import MIXERS
 
 
@@ -677,24 +677,29 @@ def test_packed_labels_that_cross_into_the_next_document_are_refused():
 
 def test_a_training_step_left_in_eval_mode_needs_its_documents():
     """`from_pretrained` returns an eval-mode model: a hand-written loop that never calls `model.train()` and feeds
-    naively collated packed rows (a 0/1 mask, no `position_ids`) with labels and gradients is refused as the same step
-    in training mode is. Evaluation without gradients, forwards without labels (`verify_packing`, the preference
-    trainers' padded forwards) and steps that say where documents start still run."""
+    naively collated packed rows (a 0/1 mask, no `position_ids`) trains across documents, through `labels` or a loss
+    of its own. Refused at the backward pass. Inference (gradients on but no backward, or none), `verify_packing`'s
+    gradients of documents alone and steps that say where documents start still run."""
     model = tiny_model("llama", "sdpa").eval()
     configure_packing(model)
     try:
         input_ids = torch.arange(3, 15).reshape(2, 6)
-        naive = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
-        with pytest.raises(ContaminationError, match=r"`labels` of shape \(2, 6\).*in eval mode.*model\.train\(\)"):
-            model(**naive, use_cache=False)
+        naive = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "use_cache": False}
+        refused = r"backward pass ran through a forward .* eval mode \(input_ids of shape \(2, 6\).*model\.train\(\)"
+        with pytest.raises(ContaminationError, match=refused):
+            model(**naive, labels=input_ids).loss.backward()
+        with pytest.raises(ContaminationError, match=refused):
+            model(**naive).logits.float().logsumexp(-1).mean().backward()  # a loss of the loop's own
+        model(**naive, labels=input_ids)  # inference that leaves gradients on
         with torch.no_grad():
-            model(**naive, use_cache=False)
-        model(input_ids=input_ids, attention_mask=naive["attention_mask"], use_cache=False)
-        positions = torch.arange(6).repeat(2, 1)
-        model(**naive, position_ids=positions, use_cache=False).loss.backward()
+            model(**naive, labels=input_ids)
+        with guards.unpacked_forwards():
+            model(**naive).logits.sum().backward()
+        verify_packing(model)
+        model(**naive, labels=input_ids, position_ids=torch.arange(6).repeat(2, 1)).loss.backward()
         packed = DataCollatorWithPacking()([{"input_ids": list(range(3, 10)), "seq_lengths": [3, 4]}])
         model(**packed, use_cache=False).loss.backward()
         unconfigure_packing()
-        model(**naive, use_cache=False).loss.backward()
+        model(**naive, labels=input_ids).loss.backward()
     finally:
         unconfigure_packing()

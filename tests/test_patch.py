@@ -168,6 +168,22 @@ class TestBehaviour:
         with torch.no_grad(), pytest.raises(ContaminationError, match=r"'llama', which `configure_packing` was not"):
             model(**PACKED, use_cache=False)
 
+    @pytest.mark.parametrize(("backend", "route"), [("sdpa", "dense"), ("sdpa", "varlen"), ("eager", None)])
+    def test_a_piece_of_packed_rows_needs_sequence_parallelism(self, backend, route):
+        """`shard_packed_batch` hands a rank a piece of every row with the whole rows' indexed mask: without
+        `configure_sequence_parallel`, refused on every backend before any layer runs (the dense route and eager
+        attended each piece on its own, silently). The whole rows run."""
+        from sequence_parallel_worker import packed_rows
+
+        from llm_packing import shard_packed_batch
+
+        model = tiny_model("llama", attn_implementation=backend).eval()
+        batch = packed_rows(((5, 1, 7, 3), (9, 2, 1, 6)))
+        with packing_configured(model, **({"attention_route": route} if route else {})), torch.no_grad():
+            with pytest.raises(UnsupportedSetupError, match=r"A piece of 9 tokens a row .* whole rows of 18 tokens"):
+                model(**shard_packed_batch(batch, 1, 2))
+            model(**batch)
+
     def test_four_dimensional_mask_in_a_training_forward_raises(self, model):
         configure_packing(model)
         mask = torch.zeros(2, 1, 6, 6)

@@ -168,13 +168,17 @@ def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_
     """PackedSFTTrainer with `sequence_parallel_size` under DDP (one group, and two groups data-parallel; with
     SFTConfig's default activation checkpointing, whose recompute repeats the all-to-alls in the backward): one SGD
     step of learning rate 1 moves each parameter by the gradient of the mean token loss over the rows the groups
-    read (rows 0-1, and 0-3), each document alone."""
+    read (rows 0-1, and 0-3), each document alone. TRL's `num_tokens` and transformers' `num_input_tokens_seen` count
+    those rows' tokens once (every rank of a group holds the whole batch: they were counted once per rank)."""
     path = tmp_path / "parameters.pt"
     mp.start_processes(worker.train_one_step,
                        args=(world, _free_port(), sequence_parallel_size, str(path), checkpointing),
                        nprocs=world, join=True, start_method="fork")
-    trained = torch.load(path)
+    saved = torch.load(path)
+    trained = saved["parameters"]
     rows = worker.packed_dataset().select(range(2 * world // sequence_parallel_size))
+    tokens = sum(sum(row["seq_lengths"]) for row in rows)
+    assert saved["counts"] == (tokens, tokens), (saved["counts"], tokens)
     model = tiny_model("llama", "sdpa").train()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     losses, targets = 0.0, 0

@@ -1,12 +1,13 @@
 """A configured model refuses the training batches that would leave its documents unisolated.
 
 `DataCollatorWithPacking` (and the hook's own packed forwards) always send `position_ids`, and an indexed mask
-whenever a row holds several documents. A training forward (module in training mode, gradients on) that gets neither
-document ids in its mask nor `position_ids` comes from a collator that knows nothing of packing: TRL's default on
-`pack_dataset` rows is the case that matters (`trl.SFTTrainer(model=configured_model,
-train_dataset=pack_dataset(...))` with stock defaults collates each packed row with an all-ones mask, so its
-documents attend to each other). That batch is refused before any layer runs. Evaluation, generation and
-`verify_packing` (no gradients, or eval mode) are never refused.
+whenever a row holds several documents. A training forward (gradients on) that gets neither document ids in its
+mask nor `position_ids` comes from a collator that knows nothing of packing: TRL's default on `pack_dataset` rows is
+the case that matters (`trl.SFTTrainer(model=configured_model, train_dataset=pack_dataset(...))` with stock defaults
+collates each packed row with an all-ones mask, so its documents attend to each other). In training mode that batch
+is refused before any layer runs; in eval mode (a hand-written loop that never called `model.train()`), at the
+backward pass through it. Evaluation, generation and inference (no backward) are never refused, nor
+`verify_packing`'s gradients of documents alone (`unpacked_forwards`).
 
 A packed training batch whose labels would teach one document to predict the next is refused too: the model shifts
 labels by one, so the label at a document's first token is the target of the previous document's last token, and must
@@ -16,21 +17,52 @@ A training forward on a kernel measured to compute packed gradients wrongly is r
 4's varlen backward below head dim 32 (see `refuse_broken_kernels`).
 """
 
+import contextlib
 import functools
 import inspect
+import threading
+from collections.abc import Iterator
 
 import torch
 
 from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
+from .attention import varlen
 from .documents import documents_of
 from .masks import is_integer_mask
 from .shapes import attention_head_dims
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
-    """Add the check to `model` (idempotent; removed by `unconfigure_packing`)."""
+    """Add the checks to `model`: in training mode at the forward, in eval mode at a backward; and, in any mode, a
+    piece of packed rows without sequence parallelism (idempotent; removed by `unconfigure_packing`)."""
     registry.add_forward_pre_hook(input_module(model), "training batches", _refuse_batch_without_documents)
+    registry.add_forward_hook(input_module(model), "eval-mode backward", _refuse_backward_without_documents)
+    registry.add_forward_pre_hook(input_module(model), "row pieces", _refuse_piece_without_sequence_parallelism)
+
+
+def _refuse_piece_without_sequence_parallelism(module, args, kwargs):
+    """`shard_packed_batch` hands each rank a piece of every row with the whole rows' indexed mask. Only sequence
+    parallelism's attention reads a piece against its row; the dense route, eager and flex_attention attended each
+    piece on its own, against the document ids of the row's first tokens (0.50 off alone on a tiny Llama), and only
+    the varlen route refused it. Refused here before any layer runs, on every backend."""
+    mask = kwargs.get("attention_mask")
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    tokens = tokens if isinstance(tokens, torch.Tensor) else kwargs.get("inputs_embeds")
+    if not (is_integer_mask(mask) and mask.dim() == 2 and isinstance(tokens, torch.Tensor)):
+        return
+    length = tokens.shape[1]
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if length >= mask.shape[1] or cache is not None or varlen.sharded_attention is not None:
+        return
+    if documents_of(mask).is_packed:
+        raise UnsupportedSetupError(
+            f"A piece of {length} tokens a row reached a model configured for packing with the indexed "
+            f"`attention_mask` of whole rows of {mask.shape[1]} tokens (`shard_packed_batch`'s), without sequence "
+            "parallelism configured: each piece would attend on its own. Call "
+            "`llm_packing.parallel.configure_sequence_parallel(model, sequence_parallel_size)` on every rank, or "
+            "pass the whole rows' `input_ids`."
+        )
 
 
 def refuse_labels_across_documents(model: torch.nn.Module) -> None:
@@ -46,8 +78,6 @@ def _refuse_labels_across_documents(module, args, kwargs):
         return  # no loss, or labels shifted already, within documents (`llm_packing.parallel`)
     if kwargs.get("fused_lm_head"):
         return  # padded rows, which TRL's fused head under `pack_fused_lm_head` packs and checks itself
-    if not module.training and torch.is_grad_enabled():
-        _refuse_eval_mode_step_without_documents(kwargs, mask, labels)
     if not is_integer_mask(mask) or labels.shape != mask.shape or not mask.numel():
         return
     documents = documents_of(mask)  # the forward's one host copy of the mask, kept for its builders
@@ -67,22 +97,6 @@ def _refuse_labels_across_documents(module, args, kwargs):
             "so the previous document's last token would learn to predict it (or be scored on it). Set every "
             "document's first label to -100, as `DataCollatorWithPacking` does."
         )
-
-
-def _refuse_eval_mode_step_without_documents(kwargs, mask, labels) -> None:
-    """A loss with gradients in eval mode is a training step that never called `model.train()` (`from_pretrained`
-    returns an eval-mode model, and most decoders have no dropout to show it): refuse it as a training forward is
-    refused when nothing tells where its documents start. `verify_packing` and the preference trainers' padded
-    forwards pass no `labels`."""
-    if _tells_documents(kwargs, mask):
-        return
-    raise ContaminationError(
-        f"A forward with `labels` of shape {tuple(labels.shape)} and gradients on reached a model configured for "
-        f"packing in eval mode, with {_describe(mask)} and no `position_ids`: if its rows are packed, their "
-        "documents attend to each other. Call `model.train()` before training (`from_pretrained` returns an "
-        "eval-mode model) and collate with `llm_packing.DataCollatorWithPacking`; for unpacked rows, pass "
-        "`position_ids` or call `llm_packing.unconfigure_packing()` first."
-    )
 
 
 def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tuple[str, ...]) -> None:
@@ -154,6 +168,24 @@ def input_module(model: torch.nn.Module) -> torch.nn.Module:
     return base if "position_ids" in inspect.signature(base.forward).parameters else inner
 
 
+class _UnpackedForwards(threading.local):
+    depth = 0  # > 0 inside `unpacked_forwards()` on this thread
+
+
+_unpacked = _UnpackedForwards()
+
+
+@contextlib.contextmanager
+def unpacked_forwards() -> Iterator[None]:
+    """Forwards in this block take unpacked rows on purpose and run backward in eval mode (`verify_packing`'s
+    documents alone): the eval-mode guard asks them for no documents. Per thread."""
+    _unpacked.depth += 1
+    try:
+        yield
+    finally:
+        _unpacked.depth -= 1
+
+
 def _refuse_batch_without_documents(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if not (module.training and torch.is_grad_enabled()) or _tells_documents(kwargs, mask):
@@ -166,6 +198,31 @@ def _refuse_batch_without_documents(module, args, kwargs):
         "attend across documents (stock `trl.SFTTrainer`'s default collator on `pack_dataset` rows does this). Train "
         "with `llm_packing.PackedSFTTrainer`, or collate with `llm_packing.DataCollatorWithPacking` (it sends the "
         "indexed mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
+    )
+
+
+def _refuse_backward_without_documents(module, args, kwargs, output):
+    """In eval mode a forward is refused only when a backward pass runs through it: `from_pretrained` returns an
+    eval-mode model, and a hand-written loop that never calls `model.train()` trains all the same (most decoders have
+    no dropout to show it), with `labels` or a loss of its own. Inference that leaves gradients on never runs a
+    backward, and is not refused."""
+    mask = kwargs.get("attention_mask")
+    if module.training or not torch.is_grad_enabled() or _unpacked.depth or _tells_documents(kwargs, mask):
+        return
+    hidden = output[0] if isinstance(output, (tuple, dict)) else output
+    if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
+        hidden.register_hook(functools.partial(_refuse_backward, shape=shape, described=_describe(mask)))
+
+
+def _refuse_backward(gradient, *, shape, described: str):
+    raise ContaminationError(
+        f"A backward pass ran through a forward of a model configured for packing in eval mode (input_ids of shape "
+        f"{shape}, {described}, no `position_ids`): a training step with nothing telling where its documents start, "
+        "so packed rows would attend across documents. Call `model.train()` before training (`from_pretrained` "
+        "returns an eval-mode model), and collate with `llm_packing.DataCollatorWithPacking` (it sends the indexed "
+        "mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
     )
 
 

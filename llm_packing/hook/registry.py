@@ -62,7 +62,7 @@ class _Replacement:
 
 _replacements: list[_Replacement] = []
 _swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
-_hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward pre-hook
+_hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward (pre-)hook
 _undos: dict[str, Callable[[], None]] = {}  # name -> what undoes a change that is neither attribute nor hook
 _configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
 
@@ -108,6 +108,14 @@ def add_forward_pre_hook(module, kind: str, hook) -> None:
     key = (id(module), kind)
     if key not in _hooks:
         _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True)
+
+
+def add_forward_hook(module, kind: str, hook) -> None:
+    """`module.register_forward_hook(hook, with_kwargs=True)`, once per module and `kind`, removed at
+    [`restore_all`]."""
+    key = (id(module), kind)
+    if key not in _hooks:
+        _hooks[key] = module.register_forward_hook(outside_graphs(hook), with_kwargs=True)
 
 
 def replaced_objects() -> list[tuple[Any, Any]]:

@@ -16,7 +16,7 @@ import torch
 
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
-from . import rotary
+from . import guards, rotary
 from .media.image_text import causal_through_token_types
 from .media.verify_images import image_row_difference, includes_video
 from .verify_limits import PackingMeasurement, compare
@@ -177,10 +177,11 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     was_training = model.training
     model.eval()
     try:
-        alone, alone_gradients = _through(model, alone_runs, documents, gradients)
-        packed, packed_gradients = _through(model, [packed_run], documents, gradients)
-        followed, followed_gradients = (_through(model, followed_runs, documents, gradients) if atol is None
-                                        else (None, None))
+        with guards.unpacked_forwards():
+            alone, alone_gradients = _through(model, alone_runs, documents, gradients)
+            packed, packed_gradients = _through(model, [packed_run], documents, gradients)
+            followed, followed_gradients = (_through(model, followed_runs, documents, gradients) if atol is None
+                                            else (None, None))
     finally:
         model.train(was_training)
     logits = compare("logits", packed, followed, alone, atol, dtype=parameter.dtype)

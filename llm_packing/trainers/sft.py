@@ -219,12 +219,20 @@ class PackedSFTTrainer(SFTTrainer):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
         if counts_tokens:  # TRL summed the indexed mask
-            recount_num_tokens(self, inputs, total_before)
+            recount_num_tokens(self, inputs, total_before, ranks_per_batch=self._ranks_per_batch())
         return loss
 
     def _track_num_input_tokens(self, inputs):
-        """transformers' `include_num_input_tokens_seen="non_padding"`, counting tokens, not document numbers."""
+        """transformers' `include_num_input_tokens_seen="non_padding"`, counting tokens, not document numbers, and
+        each batch once: under sequence parallelism the ranks of a group all hold the whole batch."""
+        before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(with_binary_mask(inputs))
+        counted = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + counted // self._ranks_per_batch()
+
+    def _ranks_per_batch(self) -> int:
+        """How many ranks hold each batch: the sequence-parallel group's size while it trains, else 1."""
+        return self._sequence_parallel[0] if self._sequence_parallel[1] is not None and self.model.training else 1
 
     def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""

@@ -24,12 +24,13 @@ def with_binary_mask(inputs: dict) -> dict:
     return {**inputs, "attention_mask": mask.ne(0).to(mask.dtype)}
 
 
-def recount_num_tokens(trainer, inputs: dict, total_before: int) -> None:
+def recount_num_tokens(trainer, inputs: dict, total_before: int, ranks_per_batch: int = 1) -> None:
     """Set TRL's `num_tokens` after `trainer.compute_loss` counted `inputs` by their mask's sum: `total_before` plus
-    the tokens of `inputs` on every rank, as TRL gathers them (divided by the tensor-parallel size, whose ranks share
-    a batch)."""
+    the tokens of `inputs` on every rank, as TRL gathers them, divided by the ranks that share a batch (tensor
+    parallelism's, and `ranks_per_batch`: a sequence-parallel group's, whose pieces each carry the whole rows'
+    mask)."""
     mask = inputs["attention_mask"]
     tokens = trainer.accelerator.gather_for_metrics(mask.ne(0).sum()).sum().item()
-    trainer._total_train_tokens = total_before + tokens // getattr(trainer, "_tp_size", 1)
+    trainer._total_train_tokens = total_before + tokens // (getattr(trainer, "_tp_size", 1) * ranks_per_batch)
     trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
