@@ -134,3 +134,25 @@ def test_unpacked_conversations_are_collated_one_per_row():
         reference = alone(processor, rows[row])
         length = reference["input_ids"].shape[1]
         assert torch.equal(batch["input_ids"][row, :length], reference["input_ids"][0])
+
+
+@pytest.mark.parametrize("case", ["template without generation markers", "conversation without an assistant turn"])
+def test_assistant_only_loss_refuses_a_conversation_with_no_assistant_tokens(case):
+    # Its assistant mask is all zeros: every label would be -100 and nothing would train, silently (TRL's text path
+    # refuses such an example too).
+    if case == "template without generation markers":
+        processor, rows = make_processor("qwen2_5_vl"), [conversation(0), conversation(1)]
+        for marker in ("{% generation %}", "{% endgeneration %}"):
+            processor.chat_template = processor.chat_template.replace(marker, "")
+    else:
+        processor, rows = tiny_processor("qwen2_5_vl"), [conversation(0), {**conversation(1), "messages": [
+            conversation(1)["messages"][0]]}]
+    packed = pack_dataset(dataset(rows), 400, processor=processor)
+    assert len(packed) == 1
+    collator = DataCollatorWithPacking(processor=processor, check_model_configured=False, assistant_only_loss=True)
+    with pytest.raises(PackingValueError, match=r"document \d of feature 0: `assistant_only_loss`=True, but its "
+                                                r"assistant mask is all zeros \(0 of \d+ tokens in a "
+                                                r"`\{% generation %\}` block\).*set `assistant_only_loss=False`"):
+        collator([packed[0]])
+    trained = DataCollatorWithPacking(processor=processor, check_model_configured=False)([packed[0]])["labels"]
+    assert (trained != -100).any()

@@ -1,6 +1,8 @@
 """PackedSFTTrainer on TRL's vision format (messages + images, a processor as processing_class): its first-step loss is
 the loss TRL's own SFTTrainer gets on the same conversations unpacked (one per row, its vision collator), within 1e-5
-in float32, with the same label mask; a processor that does not match the model is refused before training."""
+in float32, with the same label mask, also with `assistant_only_loss` on a real template without `{% generation %}`
+markers (TRL's training template swapped in); a processor that does not match the model is refused before training;
+a plain Trainer that drops the conversation columns is told which setting keeps them."""
 
 import copy
 import tempfile
@@ -8,10 +10,11 @@ import tempfile
 import datasets
 import pytest
 import torch
+import transformers
 from tiny_processors import IMAGE_SIZES, make_processor, photo_bytes, tiny_image_text_model, tiny_processor
-from trl import SFTConfig, SFTTrainer
+from trl import SFTConfig, SFTTrainer, chat_template_utils
 
-from llm_packing import PackedSFTTrainer
+from llm_packing import DataCollatorWithPacking, PackedSFTTrainer, configure_packing, pack_dataset
 from llm_packing.batches.packed_conversations import media_token_ids
 from llm_packing.errors import PackingValueError
 
@@ -87,6 +90,64 @@ def test_first_step_loss_equals_trls_unpacked_training(family, assistant_only_lo
     assert packed["attention_mask"].max() > 1 and packed["pixel_values"].shape == unpacked["pixel_values"].shape
     assert abs(loss - expected) <= 1e-5, (loss, expected)
     assert trained_labels(packed) == trained_labels(unpacked)
+
+
+@pytest.mark.parametrize("family", [FAMILY, "gemma3"])
+def test_assistant_only_loss_on_a_template_without_generation_markers_trains_what_trl_trains(family,
+                                                                                             unconfigure_after):
+    # The model's real template (TRL's copy of it) has no {% generation %} markers: TRL's SFTTrainer swaps in its
+    # training template; before the fix PackedSFTTrainer trained 0 tokens here (loss 0.0) without a word.
+    processor = make_processor(family)
+    processor.chat_template = getattr(chat_template_utils, f"{family}_chat_template")
+    assert not chat_template_utils.has_generation_markers(processor.chat_template)
+    model = tiny_image_text_model(family, processor)
+    data = conversations()
+    reference = SFTTrainer(model=copy.deepcopy(model), args=config(len(data), max_length=None,
+                                                                    assistant_only_loss=True),
+                           train_dataset=data, processing_class=processor)
+    assert reference.chat_template is not None
+    expected, unpacked = first_step(reference)
+    packed_trainer = PackedSFTTrainer(model=model, args=config(8, max_length=256, assistant_only_loss=True),
+                                      train_dataset=data, processing_class=processor)
+    assert packed_trainer.data_collator.chat_template == reference.chat_template
+    loss, packed = first_step(packed_trainer)
+    assert packed["attention_mask"].max() > 1
+    trained = int((packed["labels"] != -100).sum())
+    assert trained == int((unpacked["labels"] != -100).sum()) > 0
+    assert trained_labels(packed) == trained_labels(unpacked)
+    assert abs(loss - expected) <= 1e-5, (loss, expected)
+
+
+def test_assistant_only_loss_on_a_template_trl_has_no_training_version_of_is_refused_before_training():
+    processor = make_processor(FAMILY)
+    processor.chat_template = processor.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    with pytest.raises(PackingValueError, match=r"`assistant_only_loss`=True, but the chat template of "
+                                                r"Qwen2_5_VLProcessor\w* .* has no `\{% generation %\}` markers, and "
+                                                r"TRL has no training template for it"):
+        PackedSFTTrainer(model=tiny_image_text_model(FAMILY, processor),
+                         args=config(2, max_length=192, assistant_only_loss=True), train_dataset=conversations(),
+                         processing_class=processor)
+
+
+def test_a_plain_trainer_that_drops_the_conversation_columns_is_told_to_keep_them(unconfigure_after):
+    processor = tiny_processor(FAMILY)
+    model = tiny_image_text_model(FAMILY, processor)
+    rows = pack_dataset(conversations(), 192, processor=processor)
+    configure_packing(model)
+
+    def trainer(**kwargs):
+        args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=1, report_to="none",
+                                              per_device_train_batch_size=2, use_cpu=True, save_strategy="no",
+                                              **kwargs)
+        return transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                    data_collator=DataCollatorWithPacking(processor=processor, max_length=192))
+
+    with pytest.raises(PackingValueError, match=r"Feature 0 has no 'messages' \(keys: \['seq_lengths'\]\).* "
+                                                r"default `remove_unused_columns=True` drops these columns.* "
+                                                r"`TrainingArguments\(remove_unused_columns=False\)`"):
+        trainer().train()
+    assert trainer(remove_unused_columns=False).train().global_step == 1
 
 
 def test_a_processor_whose_image_token_is_not_the_models_is_refused():

@@ -99,7 +99,9 @@ def _checked(features) -> list[Mapping]:
             raise PackingValueError(
                 f"Feature {index} has no 'messages' (keys: {sorted(feature)}): a collator with a `processor` takes "
                 "image-text rows, packed by `pack_dataset(..., processor=processor)` or one conversation each "
-                "(`messages` and `images`)."
+                "(`messages` and `images`). A `transformers.Trainer` with its default `remove_unused_columns=True` "
+                "drops these columns before the collator sees them (the model's forward takes no `messages`): pass "
+                "`TrainingArguments(remove_unused_columns=False)`, or train with `PackedSFTTrainer`, which keeps them."
             )
     return features
 
@@ -139,6 +141,16 @@ def _processed(processor, feature, number: int, where: str, chat_template, assis
         return_dict=True, return_tensors="pt", return_assistant_tokens_mask=assistant_only_loss,
         processor_kwargs={"padding": False, "truncation": False, "add_special_tokens": False, **videos_kwargs},
     )
+    masks = output.get("assistant_masks")
+    if assistant_only_loss and (masks is None or not torch.as_tensor(masks).any()):
+        raise PackingValueError(
+            f"{where}: `assistant_only_loss`=True, but its assistant mask is all zeros (0 of "
+            f"{output['input_ids'].shape[1]} tokens in a `{{% generation %}}` block), so none of its labels would "
+            "train: the chat template has no `{% generation %}` markers, or the conversation has no assistant turn. "
+            "Pass `chat_template=` a template that marks the assistant turns (TRL's "
+            "`trl.chat_template_utils.get_training_chat_template(processor)` gives one for the templates it knows; "
+            "PackedSFTTrainer uses it), or set `assistant_only_loss=False`."
+        )
     if "second_per_grid_ts" in output:  # Qwen2.5-VL returns a list: the model takes it as a tensor
         output["second_per_grid_ts"] = torch.as_tensor(output["second_per_grid_ts"], dtype=torch.float32)
     return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}

@@ -5,9 +5,10 @@
 Processor and model (a checkpoint, or a tiny one built from `model_config` with the processor's token ids and
 vocabulary), the conversations (`messages` + `images`, and `videos` beside or instead of them: a hub dataset, a local
 file or folder, or `"photos"` / `"clips"`, the built-in ones), `pack_dataset(..., processor=...)` by their true token
-counts with images and videos expanded (planned from the files' headers, nothing decoded), then
-[`~llm_packing.trainers.sft.PackedSFTTrainer`] with the processor: each row's documents are processed as TRL's
-vision collator processes them (videos decoded with PyAV), and the hook keeps them apart.
+counts with images and videos expanded (planned from the files' headers, nothing decoded; with `assistant_only_loss`
+by the template the trainer collates with: TRL's training template where the processor's has no `{% generation %}`
+markers), then [`~llm_packing.trainers.sft.PackedSFTTrainer`] with the processor: each row's documents are
+processed as TRL's vision collator processes them (videos decoded with PyAV), and the hook keeps them apart.
 """
 
 import contextlib
@@ -26,6 +27,7 @@ from ..demo.clips import DEMO_VIDEO_PROCESSOR_NAME, load_demo_video_processor
 from ..demo.photos import DEMO_PROCESSOR_NAME, load_demo_processor
 from ..errors import PackingValueError
 from ..hook.configure import packing_configured
+from ..trainers.image_text import training_chat_template
 from ..trainers.sft import PackedSFTTrainer
 from .documents import load_documents
 from .startup import setup_logging
@@ -60,7 +62,8 @@ def train_image_text(script_args, training_args, model_args, packing_args):
         rows, stats = pack_dataset(documents, training_args.max_length, strategy=packing_args.packing_strategy,
                                    seed=packing_args.packing_seed, overflow=packing_args.overflow,
                                    max_docs_per_bin=max_docs_per_bin, num_proc=training_args.dataset_num_proc,
-                                   return_stats=True, processor=processor)
+                                   return_stats=True, processor=processor,
+                                   chat_template=training_chat_template(processor, training_args.assistant_only_loss))
     media = f"{_count(documents, image_column(documents))} images"
     if VIDEO_COLUMN in documents.column_names:
         media += f", {_count(documents, VIDEO_COLUMN)} videos"

@@ -6,14 +6,18 @@ conversations with `pack_dataset(..., processor=...)` at `SFTConfig.max_length` 
 expanded, planned without decoding pixels; the trainer's `overflow`, `"error"` unless given, so nothing is cut or
 dropped unasked), and builds the collator, [`~llm_packing.batches.collator.DataCollatorWithPacking`] with the
 processor, which processes each document as TRL's vision collator does. `assistant_only_loss` goes to that collator
-(TRL's own never runs), so it is taken off the config TRL sees. A stream of conversations (`IterableDataset`) is
-packed as it is read, in bounded memory (`pack_dataset` on a stream); train it with `max_steps`.
+(TRL's own never runs), so it is taken off the config TRL sees; with it, a processor template without
+`{% generation %}` markers is replaced, for planning and collating alike, by TRL's training template for it, as
+`SFTTrainer` does ([`training_chat_template`]). A stream of conversations (`IterableDataset`) is packed as it is read,
+in bounded memory (`pack_dataset` on a stream); train it with `max_steps`.
 """
 
+import contextlib
 import copy
 import dataclasses
 
 from datasets import Dataset, IterableDataset
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
 from ..batches.collator import DataCollatorWithPacking
 from ..batches.packed_conversations import media_token_ids, placeholder_ids
@@ -68,7 +72,8 @@ def prepare_image_text(args, model, processing_class, data_collator, train_datas
             "the conversations were planned with the processor's. Set `processor.chat_template` before building the "
             "trainer, and leave `chat_template_path` out."
         )
-    packed = {name: _packed(dataset, args.max_length, processor, overflow)
+    chat_template = training_chat_template(processor, args.assistant_only_loss)
+    packed = {name: _packed(dataset, args.max_length, processor, overflow, chat_template)
               for name, dataset in (("train", train_dataset), *_evals(eval_dataset))}
     evals = {name[5:]: value for name, value in packed.items() if name.startswith("eval/")}
     eval_packed = evals if isinstance(eval_dataset, dict) else evals.get("")
@@ -76,10 +81,57 @@ def prepare_image_text(args, model, processing_class, data_collator, train_datas
         data_collator = DataCollatorWithPacking(
             pad_token_id=_pad_token_id(processor.tokenizer), max_length=args.max_length,
             pad_to_multiple_of=args.pad_to_multiple_of, processor=processor,
-            assistant_only_loss=bool(args.assistant_only_loss))
+            assistant_only_loss=bool(args.assistant_only_loss), chat_template=chat_template)
     args = copy.copy(args)
     args.assistant_only_loss = False  # applied by our collator; TRL's check is for its own dataset preparation
     return ImageTextSetup(args, packed["train"], eval_packed, data_collator)
+
+
+def training_chat_template(processor, assistant_only_loss: bool) -> str | None:
+    """
+    The chat template to plan and collate image-text conversations with: `None` (the processor's own) unless
+    `assistant_only_loss` is on and the processor's template has no `{% generation %}` markers, where it is TRL's
+    training template for it (`trl.chat_template_utils.get_training_chat_template`), the one `SFTTrainer` swaps in.
+    Without it every assistant mask would be zeros and nothing would train.
+
+    Args:
+        processor (`ProcessorMixin`):
+            The model's processor, its `chat_template` set.
+        assistant_only_loss (`bool`):
+            Whether labels are kept only inside the assistant turns.
+
+    Returns:
+        `str` or `None`:
+            The training template, or `None` when the processor's template serves as it is.
+
+    Example:
+
+    ```python
+    >>> from trl import chat_template_utils
+    >>> from llm_packing.demo.photos import load_demo_processor
+    >>> processor = load_demo_processor()  # its template marks the assistant turns
+    >>> training_chat_template(processor, assistant_only_loss=True) is None
+    True
+    >>> processor.chat_template = chat_template_utils.qwen2_5_vl_chat_template  # Qwen2.5-VL's own: no markers
+    >>> template = training_chat_template(processor, assistant_only_loss=True)
+    >>> template == chat_template_utils.qwen2_5_vl_training_chat_template
+    True
+
+    ```
+    """
+    template = getattr(processor, "chat_template", None)
+    if not assistant_only_loss or (template is not None and has_generation_markers(template)):
+        return None
+    if template is not None:
+        with contextlib.suppress(ValueError):  # TRL's refusal of a template it has no training version of
+            return get_training_chat_template(processor)
+    shown = f"{template[:60]!r}..." if isinstance(template, str) else repr(template)[:60]
+    raise PackingValueError(
+        f"`assistant_only_loss`=True, but the chat template of {type(processor).__name__} ({shown}) has no "
+        "`{% generation %}` markers, and TRL has no training template for it: every assistant mask would be zeros "
+        "and nothing would train. Set `processor.chat_template` to a template with `{% generation %}...{% "
+        "endgeneration %}` around the assistant turns, or set `assistant_only_loss=False`."
+    )
 
 
 def check_processor_matches_model(processor, model) -> None:
@@ -118,10 +170,10 @@ def _is_vision(dataset, processor) -> bool:
     return isinstance(dataset, Dataset) and is_image_text(dataset)
 
 
-def _packed(dataset, max_length: int, processor, overflow: str):
+def _packed(dataset, max_length: int, processor, overflow: str, chat_template: str | None):
     if "seq_lengths" in column_names("dataset", dataset):  # packed already, by pack_dataset(..., processor=...)
         return dataset
-    return pack_dataset(dataset, max_length, processor=processor, overflow=overflow)
+    return pack_dataset(dataset, max_length, processor=processor, overflow=overflow, chat_template=chat_template)
 
 
 def _evals(eval_dataset):
