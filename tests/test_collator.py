@@ -232,6 +232,12 @@ class TestMismatches:
         with pytest.raises(PackingTypeError, match=r"'input_ids' of feature 0 must be a flat list of integers"):
             DataCollatorWithPacking()([{"input_ids": [1.5, 2.0]}])
 
+    @pytest.mark.parametrize("nested", [[[1, 2], [3]], [[1, 2], [3, 4]]], ids=["ragged", "even"])
+    def test_nested_ids_say_to_flatten(self, nested):
+        """Lists of lists (one per turn, say): numpy's own `ValueError` for ragged ones before."""
+        with pytest.raises(PackingTypeError, match=r"'input_ids' of feature 0 .*flatten the inner lists"):
+            DataCollatorWithPacking()([{"input_ids": nested}])
+
     @pytest.mark.parametrize("option", [{"max_length": 0}, {"pad_to_multiple_of": -8}, {"return_tensors": "np"}])
     def test_bad_options(self, option):
         with pytest.raises(PackingValueError, match=next(iter(option))):

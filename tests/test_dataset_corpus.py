@@ -69,6 +69,17 @@ class TestMemoryMappedInput:
                                "assistant_masks": [[True, True, False], [True, True]]}, rows_per_batch=1)
         assert pack_dataset(ds, 5).to_dict()["labels"] == [[-100, -100, -100, -100, 5]]
 
+    def test_fixed_size_token_lists_pack_as_lists(self, tmp_path):
+        """`Sequence(Value, length=n)` columns are Arrow lists of a fixed size, without offsets (a raw
+        `AttributeError` before); packed as the same rows given as lists."""
+        fixed = datasets.Sequence(datasets.Value("int32"), length=3)
+        columns = {"input_ids": [[1, 2, 3], [4, 5, 6], [7, 8, 9]], "labels": [[1, -100, 3], [4, 5, 6], [7, 8, 9]],
+                   "attention_mask": [[1, 1, 1]] * 3}
+        features = datasets.Features(dict.fromkeys(columns, fixed))
+        for dataset in (Dataset.from_dict(columns, features=features),
+                        mapped(tmp_path, columns, rows_per_batch=1).cast(features)):
+            assert pack_dataset(dataset, 7).to_dict() == pack_dataset(Dataset.from_dict(columns), 7).to_dict()
+
     def test_the_token_column_is_not_copied(self, tmp_path):
         # combine_chunks of the tokens would hold 4 bytes per token from Arrow's pool; the lengths take 8 per row.
         ds = mapped(tmp_path, {"input_ids": [list(range(500))] * 400}, rows_per_batch=10)
@@ -207,6 +218,18 @@ class TestCache:
             packed.to_dict()
         with pytest.raises(PackingValueError, match=r"`cache_file_name`='x.arrow' names one file.*per split"):
             pack_dataset(DatasetDict({"train": Dataset.from_dict(random_columns())}), 40, cache_file_name="x.arrow")
+
+    def test_a_cache_file_name_given_again_for_other_inputs_is_packed_again(self, tmp_path):
+        """`cache_file_name` names the file, not what is in it: the same name given for another `max_length`,
+        another dataset or another option packs again (it loaded the first call's rows: rows longer than the new
+        `max_length`, another dataset's documents, no `position_ids` when asked for)."""
+        path = str(tmp_path / "packed.arrow")
+        first = pack_dataset(Dataset.from_dict(random_columns()), 40, cache_file_name=path)
+        for dataset, max_length, options in [(random_columns(), 32, {}), (random_columns(seed=1), 40, {}),
+                                             (random_columns(), 40, {"return_position_ids": True})]:
+            again = pack_dataset(Dataset.from_dict(dataset), max_length, cache_file_name=path, **options)
+            expected = pack_dataset(Dataset.from_dict(dataset), max_length, keep_in_memory=True, **options)
+            assert again.to_dict() == expected.to_dict() != first.to_dict()
 
     def test_a_file_of_another_layout_is_never_read(self, tmp_path, monkeypatch):
         ds = mapped(tmp_path, random_columns())

@@ -101,13 +101,19 @@ def flat_integers(values, where: str, *, booleans: bool = False) -> np.ndarray:
     `values` as a 1-D numpy array of integers (or booleans, for a mask column, with `booleans=True`), unconverted;
     raises [`~llm_packing.errors.PackingTypeError`] naming `where` (e.g. `"'labels' of example 3"`) otherwise.
     """
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except ValueError:  # lists of lists of different lengths
+        raise PackingTypeError(
+            f"{where} must be a flat list of integers, got nested lists of different lengths. Give each example one "
+            "flat list of token ids (join or flatten the inner lists, e.g. `sum(lists, [])`)."
+        ) from None
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or (booleans and array.dtype == bool)
                                or array.size == 0):
-        raise PackingTypeError(
-            f"{where} must be a flat list of integers, got dtype {array.dtype} and shape {array.shape}. Tokenize the "
-            "text and cast the values to integers first."
-        )
+        fix = ("Give each example one flat list of token ids (join or flatten the inner lists)" if array.ndim > 1
+               else "Tokenize the text and cast the values to integers first")
+        raise PackingTypeError(f"{where} must be a flat list of integers, got dtype {array.dtype} and shape "
+                               f"{array.shape}. {fix}.")
     return array
 
 

@@ -85,7 +85,7 @@ def shard_paths(path: str, num_shards: int) -> list[str]:
 
 def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingStats] | None:
     """The packed dataset and its stats from `target.path` (or the shards of it that several processes wrote), if it
-    may be loaded and was written by this layout."""
+    may be loaded and was written by this layout from the same input and options (`target.fingerprint`)."""
     if not (target.load_from_cache_file and target.path):
         return None
     paths = [target.path] if os.path.exists(target.path) else existing_shards(target.path)
@@ -94,6 +94,11 @@ def load_cached(target: Destination, split) -> tuple[datasets.Dataset, PackingSt
     table = _memory_mapped(paths)
     metadata = json.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
     if metadata.get("layout") != LAYOUT_VERSION:  # a file of another layout under a name given by the user
+        return None
+    if metadata.get("fingerprint", target.fingerprint) != target.fingerprint:
+        # A `cache_file_name` given again for another dataset, `max_length` or option: its rows are not these.
+        logger.warning("The packed file %s was written from another dataset or other packing options; packing again "
+                       "and overwriting it.", paths[0] if len(paths) == 1 else f"{len(paths)} shards of {target.path}")
         return None
     logger.info("Loading cached packed dataset at %s", paths[0] if len(paths) == 1 else f"{len(paths)} shards of "
                 f"{target.path}")
@@ -209,8 +214,10 @@ class PackedWriter:
     def __init__(self, target: Destination, schema: pa.Schema, stats: PackingStats,
                  temporary_prefix: str | None = None):
         self.target = target
-        metadata = {**(schema.metadata or {}), _METADATA_KEY: json.dumps(
-            {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)})}
+        recorded = {"layout": LAYOUT_VERSION, "stats": dataclasses.asdict(stats)}
+        if target.fingerprint:  # the input and options the rows were packed from (a Ray shard's has none)
+            recorded["fingerprint"] = target.fingerprint
+        metadata = {**(schema.metadata or {}), _METADATA_KEY: json.dumps(recorded)}
         self.schema = schema.with_metadata(metadata)
         self._tables = []
         self._written = []  # futures of the chunks handed to the writing threads

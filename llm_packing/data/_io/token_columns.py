@@ -61,6 +61,7 @@ class TokenColumn:
         self.name = name
         if len(column) == 0 and pa.types.is_null(column.type):  # `Dataset.from_dict({"input_ids": []})` has no type
             column = pa.chunked_array([], pa.list_(pa.int32()))
+        column = variable_lists(column)
         self.lengths = _checked_lengths(column, name, lengths)
         if pa.types.is_null(column.type.value_type):
             column = column.cast(pa.list_(pa.int32()))  # only empty lists: nothing to read, one type to read it as
@@ -145,6 +146,14 @@ def flat_values(column, first: int, last: int) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False)
 
 
+def variable_lists(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """`column` with lists of fixed size (`Sequence(Value("int32"), length=n)`: every row `n` values, no offsets) as
+    lists with offsets, which the readers here index; any other column as it is."""
+    if pa.types.is_fixed_size_list(column.type):
+        return column.cast(pa.list_(column.type.value_type))
+    return column
+
+
 def _checked_lengths(column: pa.ChunkedArray, name: str, lengths: np.ndarray | None) -> np.ndarray:
     value_type = getattr(column.type, "value_type", None)
     is_mask = name in MASK_COLUMNS
@@ -202,6 +211,7 @@ def check_unpadded(column: pa.ChunkedArray, lengths: np.ndarray, pages=None) -> 
     """Raise [`~llm_packing.core.rows.padding_error`] if a tokenizer's `attention_mask` column holds a 0 (padding).
     One `pc.min` per window of rows (`lengths`: the `input_ids` row lengths), nothing copied; only a window with a 0
     is read again, to name the row. A column that holds no integer lists is not a tokenizer's and is left alone."""
+    column = variable_lists(column)
     value_type = getattr(column.type, "value_type", None)
     if value_type is None or not (pa.types.is_integer(value_type) or pa.types.is_boolean(value_type)):
         return
