@@ -70,6 +70,7 @@ def _wrap_builder(original):
             return original(*args, **kwargs)
         config = arguments["config"]
         _refuse_unconfigured_model_type(config)
+        _refuse_piece_without_sequence_parallelism(attention_mask, arguments["inputs_embeds"])
         if arguments.get(cache_name) is not None:
             raise ContaminationError(
                 "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
@@ -117,6 +118,22 @@ def _refuse_unconfigured_model_type(config) -> None:
             f"`configure_packing` was not called for (configured: {registry.configured_model_types()}): its "
             "documents are not proven isolated, and its mixers or rotary embeddings are not patched. Call "
             "`llm_packing.configure_packing(model)` on this model too."
+        )
+
+
+def _refuse_piece_without_sequence_parallelism(attention_mask: torch.Tensor, inputs_embeds: torch.Tensor) -> None:
+    """`shard_packed_batch` hands each rank a piece of every row with the whole rows' indexed mask. Only sequence
+    parallelism's attention reads a piece against its row; the dense route, eager and flex_attention attended each
+    piece on its own, against the document ids of the row's first tokens (0.50 off alone on a tiny Llama), and only
+    the varlen route refused it. Refused for every backend, before any layer runs (a packed batch has no cache)."""
+    length = inputs_embeds.shape[1]
+    if length < attention_mask.shape[-1] and varlen.sharded_attention is None:
+        raise UnsupportedSetupError(
+            f"A piece of {length} tokens a row reached a model configured for packing with the indexed "
+            f"`attention_mask` of whole rows of {attention_mask.shape[-1]} tokens (`shard_packed_batch`'s), without "
+            "sequence parallelism configured: each piece would attend on its own. Call "
+            "`llm_packing.parallel.configure_sequence_parallel(model, sequence_parallel_size)` on every rank, or "
+            "pass the whole rows' `input_ids`."
         )
 
 

@@ -27,42 +27,16 @@ import torch
 
 from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
-from .attention import varlen
 from .documents import documents_of
 from .masks import is_integer_mask
 from .shapes import attention_head_dims
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:
-    """Add the checks to `model`: in training mode at the forward, in eval mode at a backward; and, in any mode, a
-    piece of packed rows without sequence parallelism (idempotent; removed by `unconfigure_packing`)."""
+    """Add the checks to `model`: in training mode at the forward, in eval mode at a backward (idempotent; removed by
+    `unconfigure_packing`)."""
     registry.add_forward_pre_hook(input_module(model), "training batches", _refuse_batch_without_documents)
     registry.add_forward_hook(input_module(model), "eval-mode backward", _refuse_backward_without_documents)
-    registry.add_forward_pre_hook(input_module(model), "row pieces", _refuse_piece_without_sequence_parallelism)
-
-
-def _refuse_piece_without_sequence_parallelism(module, args, kwargs):
-    """`shard_packed_batch` hands each rank a piece of every row with the whole rows' indexed mask. Only sequence
-    parallelism's attention reads a piece against its row; the dense route, eager and flex_attention attended each
-    piece on its own, against the document ids of the row's first tokens (0.50 off alone on a tiny Llama), and only
-    the varlen route refused it. Refused here before any layer runs, on every backend."""
-    mask = kwargs.get("attention_mask")
-    tokens = kwargs.get("input_ids", args[0] if args else None)
-    tokens = tokens if isinstance(tokens, torch.Tensor) else kwargs.get("inputs_embeds")
-    if not (is_integer_mask(mask) and mask.dim() == 2 and isinstance(tokens, torch.Tensor)):
-        return
-    length = tokens.shape[1]
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if length >= mask.shape[1] or cache is not None or varlen.sharded_attention is not None:
-        return
-    if documents_of(mask).is_packed:
-        raise UnsupportedSetupError(
-            f"A piece of {length} tokens a row reached a model configured for packing with the indexed "
-            f"`attention_mask` of whole rows of {mask.shape[1]} tokens (`shard_packed_batch`'s), without sequence "
-            "parallelism configured: each piece would attend on its own. Call "
-            "`llm_packing.parallel.configure_sequence_parallel(model, sequence_parallel_size)` on every rank, or "
-            "pass the whole rows' `input_ids`."
-        )
 
 
 def refuse_labels_across_documents(model: torch.nn.Module) -> None:
