@@ -164,11 +164,9 @@ def _refuse_batch_without_documents(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if not (module.training and torch.is_grad_enabled()) or _tells_documents(kwargs, mask):
         return
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
     raise ContaminationError(
-        f"A training batch (input_ids of shape {shape}) reached a model configured for packing with "
-        f"{_describe(mask)} and no `position_ids`: nothing tells where its documents start, so packed rows would "
+        f"A training batch (input_ids of shape {_input_shape(args, kwargs)}) reached a model configured for packing "
+        f"with {_describe(mask)} and no `position_ids`: nothing tells where its documents start, so packed rows would "
         "attend across documents (stock `trl.SFTTrainer`'s default collator on `pack_dataset` rows does this). Train "
         "with `llm_packing.PackedSFTTrainer`, or collate with `llm_packing.DataCollatorWithPacking` (it sends the "
         "indexed mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
@@ -185,9 +183,8 @@ def _refuse_backward_without_documents(module, args, kwargs, output):
         return
     hidden = output[0] if isinstance(output, (tuple, dict)) else output
     if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
-        hidden.register_hook(functools.partial(_refuse_backward, shape=shape, described=_describe(mask)))
+        hidden.register_hook(functools.partial(_refuse_backward, shape=_input_shape(args, kwargs),
+                                               described=_describe(mask)))
 
 
 def _refuse_backward(gradient, *, shape, described: str):
@@ -205,6 +202,11 @@ def _tells_documents(kwargs, mask) -> bool:
     if kwargs.get("position_ids") is not None:
         return True
     return is_integer_mask(mask) and bool(mask.numel()) and documents_of(mask).is_packed
+
+
+def _input_shape(args, kwargs):
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    return tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
 
 
 def _describe(mask) -> str:
