@@ -207,6 +207,22 @@ def packed_rows() -> Dataset:
     return pack_dataset(documents(), MAX_LENGTH)
 
 
+def test_dropping_the_last_batch_says_how_many_documents_it_drops(tmp_path, tokenizer, caplog):
+    """`dataloader_drop_last=True` drops whole packed rows, each of several documents: the trainer says so."""
+    rows = packed_rows()
+    batch_size = next(size for size in (4, 3, 2) if len(rows) % size)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=batch_size, dataloader_drop_last=True,
+                     **QUIET)
+    with caplog.at_level("WARNING", logger="llm_packing"):
+        PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=rows, processing_class=tokenizer)
+    assert f"drops {len(rows) % batch_size} of the {len(rows)} packed rows each epoch" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llm_packing"):
+        PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), **QUIET), train_dataset=rows,
+                         processing_class=tokenizer)
+    assert "drops" not in caplog.text
+
+
 def trl_packed_rows() -> Dataset:
     # TRL's own packer: `seq_lengths` but no record of the max_length, so only the rows' lengths can be checked.
     from trl.data_utils import pack_dataset as trl_pack_dataset
@@ -221,6 +237,8 @@ def trl_packed_rows() -> Dataset:
          r"again.*Set `packing=False` \(recipe: `packing: false`\)"),
         ({"padding_free": True, "max_length": None}, None, None, PackingValueError,
          r"`padding_free=True` in the SFTConfig.*DataCollatorWithPacking\(padding_free=True\)"),
+        ({"neftune_noise_alpha": 5.0}, None, None, PackingValueError,
+         r"`neftune_noise_alpha`=5.0: NEFTune scales its noise by the batch's row length"),
         ({"assistant_only_loss": True}, None, None, PackingValueError,
          r"`assistant_only_loss=True`.*`train_dataset` holds rows packed already. Pass the `messages` dataset itself"),
         ({}, DataCollatorForLanguageModeling(pad_token_id=0), None, PackingTypeError,
@@ -242,9 +260,9 @@ def trl_packed_rows() -> Dataset:
         ({"max_length": 16}, None, "trl", PackingValueError,
          r"`train_dataset` has rows of \d+ tokens, longer than `max_length`=16"),
     ],
-    ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller", "max_length-larger",
-         "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None", "prompt-only",
-         "rows-longer-than-max_length"],
+    ids=["packing", "padding_free", "neftune", "assistant_only_loss", "trl-collator", "max_length-smaller",
+         "max_length-larger", "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None",
+         "prompt-only", "rows-longer-than-max_length"],
 )
 def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, dataset, error, match):
     train_dataset = {"unpacked": documents, "trl": trl_packed_rows, "questions": lambda: Dataset.from_dict(

@@ -22,7 +22,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import builders, cache, guards, mixers, registry, rotary, trainer_columns
+from . import builders, cache, guards, mixers, registry, rotary, router_loss, trainer_columns
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
 from .support.model_types import config_parts, modeling_module
@@ -122,6 +122,7 @@ def configure_packing(
     alibi.patch_alibi(config.model_type)
     temperature.patch_attention_temperature(config.model_type)
     rotary.patch_rotary_embeddings(model_or_config)
+    router_loss.patch_load_balancing_losses(config)
     trainer_columns.keep_packing_columns()
     trainer_columns.refuse_packed_rows_in_flattening_collator()
     return model_or_config

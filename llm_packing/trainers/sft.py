@@ -10,6 +10,7 @@ that would cut or mix documents raises a [`~llm_packing.errors.PackingError`] fr
 """
 
 import copy
+import logging
 import os
 
 import pyarrow.compute as pc
@@ -27,6 +28,9 @@ from . import sequence_parallel
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 from .sft_data import check_format, column_names, is_packed, pack_documents
 from .token_counts import recount_num_tokens, with_binary_mask
+
+
+logger = logging.getLogger(__name__)
 
 
 # `SFTConfig()`'s own max_length: for rows packed already, a value the user most likely never chose, so the packed
@@ -138,6 +142,7 @@ class PackedSFTTrainer(SFTTrainer):
             args, data_collator = image_text.args, image_text.data_collator
             train_dataset, eval_dataset = image_text.train_dataset, image_text.eval_dataset
         datasets_by_name = {"train_dataset": train_dataset, **_eval_datasets(eval_dataset)}
+        _check_config(args)
         _check_datasets(args, data_collator, datasets_by_name, kwargs.get("formatting_func"))
         max_length = _agreed_max_length(args, data_collator, datasets_by_name)
         # TRL mutates its config; keep the caller's untouched, as it may go on to build another trainer.
@@ -156,6 +161,7 @@ class PackedSFTTrainer(SFTTrainer):
             if image_text is not None:  # TRL would prune a vision dataset to its raw columns
                 self._signature_columns = PACKED_COLUMNS
             _check_parallelism(self.accelerator)
+            _warn_if_rows_are_dropped(self.args, self.train_dataset, self._sequence_parallel[0])
             if sequence_parallel_size > 1:
                 self._configure_sequence_parallel(verify_packing, image_text is not None)
             elif _several_documents_per_row([self.train_dataset, *_eval_datasets(self.eval_dataset).values()]):
@@ -259,12 +265,25 @@ def _eval_datasets(eval_dataset) -> dict:
     return {"eval_dataset": eval_dataset}
 
 
-def _check_datasets(args: SFTConfig, data_collator, datasets_by_name: dict, formatting_func) -> None:
-    if datasets_by_name["train_dataset"] is None:
-        raise PackingValueError(
-            "`train_dataset` is required: a dataset trl.SFTTrainer takes (text, messages, prompt-completion, "
-            "tokenized) or rows made by `pack_dataset`."
-        )
+def _warn_if_rows_are_dropped(args, train_dataset, sequence_parallel_size: int) -> None:
+    """`dataloader_drop_last=True` drops each epoch's last incomplete batch. Unpacked, that is a few documents; packed,
+    it is whole rows of them, which the user should hear of."""
+    if not args.dataloader_drop_last or not isinstance(train_dataset, Dataset) or "seq_lengths" not in \
+            train_dataset.column_names:
+        return
+    rows_a_batch = args.per_device_train_batch_size * max(1, args.world_size // sequence_parallel_size)
+    dropped = len(train_dataset) % rows_a_batch
+    if dropped:
+        lengths = train_dataset.data.column("seq_lengths")  # the whole table: a view's rows are a sample of it
+        per_row = pc.list_value_length(lengths).to_numpy().sum() / max(1, len(lengths))
+        logger.warning(
+            "`dataloader_drop_last=True` drops %d of the %d packed rows each epoch (batches of %d rows): about %d "
+            "documents (%.1f a row). Set `dataloader_drop_last=False` to train every document.", dropped,
+            len(train_dataset), rows_a_batch, round(per_row * dropped), per_row)
+
+
+def _check_config(args: SFTConfig) -> None:
+    """The SFTConfig settings that would undo or skew packing."""
     if args.packing:
         raise PackingValueError(
             "`packing=True` in the SFTConfig makes TRL pack the rows again, on top of pack_dataset's, and flatten "
@@ -275,6 +294,21 @@ def _check_datasets(args: SFTConfig, data_collator, datasets_by_name: dict, form
             "`padding_free=True` in the SFTConfig makes TRL flatten the batches with its own collator. Set "
             "`padding_free=False`; for one flattened row per batch, pass "
             "`data_collator=DataCollatorWithPacking(padding_free=True)` (recipe: `padding_free: true`, a packing key)."
+        )
+    if args.neftune_noise_alpha:
+        raise PackingValueError(
+            f"`neftune_noise_alpha`={args.neftune_noise_alpha!r}: NEFTune scales its noise by the batch's row length, "
+            "`alpha / sqrt(length x hidden size)`, and a packed row is `max_length` long, so every document would get "
+            "several times less noise than alone, and more or less by where it was packed. Set "
+            "`neftune_noise_alpha=None` (recipe: remove the key), or train NEFTune unpacked."
+        )
+
+
+def _check_datasets(args: SFTConfig, data_collator, datasets_by_name: dict, formatting_func) -> None:
+    if datasets_by_name["train_dataset"] is None:
+        raise PackingValueError(
+            "`train_dataset` is required: a dataset trl.SFTTrainer takes (text, messages, prompt-completion, "
+            "tokenized) or rows made by `pack_dataset`."
         )
     if data_collator is not None and not isinstance(data_collator, DataCollatorWithPacking):
         what = type(data_collator).__name__
