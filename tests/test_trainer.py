@@ -223,6 +223,40 @@ def test_dropping_the_last_batch_says_how_many_documents_it_drops(tmp_path, toke
     assert "drops" not in caplog.text
 
 
+def test_neftune_noise_follows_each_documents_length(tmp_path, tokenizer, monkeypatch):
+    """NEFTune's noise is `alpha / sqrt(length x hidden)`: transformers takes the packed row's length, so documents
+    got several times less noise than alone. Here each token's noise is within its own document's bound and reaches
+    it (about 2,000 draws a document); outside training, and after `train()`, there is none."""
+    from llm_packing.trainers import neftune
+
+    model = tiny_model()
+    args = SFTConfig(output_dir=str(tmp_path), neftune_noise_alpha=5.0, max_steps=1, **QUIET)
+    trainer = PackedSFTTrainer(model=model, args=args, train_dataset=packed_rows(), processing_class=tokenizer)
+    batch = trainer.data_collator([packed_rows()[0]])
+    embeddings = model.get_input_embeddings()
+    clean = embeddings(batch["input_ids"]).detach()
+    handle = neftune.activate(model, 5.0, trainer.accelerator)
+    try:
+        model.train()
+        with neftune.batch_positions(batch):
+            noise = (embeddings(batch["input_ids"]) - clean).detach()[0]
+        model.eval()
+        assert torch.equal(embeddings(batch["input_ids"]), clean)
+    finally:
+        neftune.deactivate(model, handle, trainer.accelerator)
+    start, hidden = 0, clean.shape[-1]
+    for length in packed_rows()[0]["seq_lengths"]:
+        bound = 5.0 / (length * hidden) ** 0.5
+        largest = noise[start : start + length].abs().max().item()
+        assert 0.9 * bound <= largest <= bound * (1 + 1e-6), (length, largest, bound)
+        start += length
+    calls = []
+    noise_per_document = neftune._noise_per_document
+    monkeypatch.setattr(neftune, "_noise_per_document", lambda *a, **k: calls.append(1) or noise_per_document(*a, **k))
+    trainer.train()  # with this hook, not transformers' row-length one, and without it afterwards
+    assert calls and not embeddings._forward_hooks and trainer.neftune_noise_alpha == 5.0
+
+
 def trl_packed_rows() -> Dataset:
     # TRL's own packer: `seq_lengths` but no record of the max_length, so only the rows' lengths can be checked.
     from trl.data_utils import pack_dataset as trl_pack_dataset
@@ -237,8 +271,6 @@ def trl_packed_rows() -> Dataset:
          r"again.*Set `packing=False` \(recipe: `packing: false`\)"),
         ({"padding_free": True, "max_length": None}, None, None, PackingValueError,
          r"`padding_free=True` in the SFTConfig.*DataCollatorWithPacking\(padding_free=True\)"),
-        ({"neftune_noise_alpha": 5.0}, None, None, PackingValueError,
-         r"`neftune_noise_alpha`=5.0: NEFTune scales its noise by the batch's row length"),
         ({"assistant_only_loss": True}, None, None, PackingValueError,
          r"`assistant_only_loss=True`.*`train_dataset` holds rows packed already. Pass the `messages` dataset itself"),
         ({}, DataCollatorForLanguageModeling(pad_token_id=0), None, PackingTypeError,
@@ -260,7 +292,7 @@ def trl_packed_rows() -> Dataset:
         ({"max_length": 16}, None, "trl", PackingValueError,
          r"`train_dataset` has rows of \d+ tokens, longer than `max_length`=16"),
     ],
-    ids=["packing", "padding_free", "neftune", "assistant_only_loss", "trl-collator", "max_length-smaller",
+    ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller",
          "max_length-larger", "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None",
          "prompt-only", "rows-longer-than-max_length"],
 )

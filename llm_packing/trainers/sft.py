@@ -24,7 +24,7 @@ from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
 from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
 from ..hook.verify import configure_and_verify
-from . import sequence_parallel
+from . import neftune, sequence_parallel
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
 from .sft_data import check_format, column_names, is_packed, pack_documents
 from .token_counts import recount_num_tokens, with_binary_mask
@@ -201,6 +201,13 @@ class PackedSFTTrainer(SFTTrainer):
                 f"`sequence_parallel_size`={size} with image-text conversations: image-text rows are not proven under "
                 "sequence parallelism. Set `sequence_parallel_size: 1`."
             )
+        if self.args.neftune_noise_alpha is not None:
+            raise UnsupportedSetupError(
+                f"`sequence_parallel_size`={size} with `neftune_noise_alpha`={self.args.neftune_noise_alpha}: "
+                "NEFTune's noise follows each document's length, which a rank holding a piece of a document cannot "
+                "read. Set "
+                "`sequence_parallel_size: 1`, or leave NEFTune off."
+            )
         where = f"[rank {self.args.process_index}/{self.args.world_size}] "
         self._sequence_parallel = (size, sequence_parallel.setup(self, size, verify, where))
 
@@ -222,11 +229,24 @@ class PackedSFTTrainer(SFTTrainer):
             inputs, num_items_in_batch = sequence_parallel.piece_of(inputs, group, num_items_in_batch)
         counts_tokens = self.model.training and "attention_mask" in inputs and hasattr(self, "_total_train_tokens")
         total_before = self._total_train_tokens if counts_tokens else None
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        with neftune.batch_positions(inputs):
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
         if counts_tokens:  # TRL summed the indexed mask
             recount_num_tokens(self, inputs, total_before, ranks_per_batch=self._ranks_per_batch())
         return loss
+
+    def train(self, *args, **kwargs):
+        """`Trainer.train`, with NEFTune's noise per document (`neftune.py`): transformers' own hook scales it by the
+        packed row's length."""
+        alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        handle = None if alpha is None else neftune.activate(self.model, alpha, self.accelerator)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.neftune_noise_alpha = alpha
+            if handle is not None:
+                neftune.deactivate(self.model, handle, self.accelerator)
 
     def _track_num_input_tokens(self, inputs):
         """transformers' `include_num_input_tokens_seen="non_padding"`, counting tokens, not document numbers, and
@@ -294,13 +314,6 @@ def _check_config(args: SFTConfig) -> None:
             "`padding_free=True` in the SFTConfig makes TRL flatten the batches with its own collator. Set "
             "`padding_free=False`; for one flattened row per batch, pass "
             "`data_collator=DataCollatorWithPacking(padding_free=True)` (recipe: `padding_free: true`, a packing key)."
-        )
-    if args.neftune_noise_alpha:
-        raise PackingValueError(
-            f"`neftune_noise_alpha`={args.neftune_noise_alpha!r}: NEFTune scales its noise by the batch's row length, "
-            "`alpha / sqrt(length x hidden size)`, and a packed row is `max_length` long, so every document would get "
-            "several times less noise than alone, and more or less by where it was packed. Set "
-            "`neftune_noise_alpha=None` (recipe: remove the key), or train NEFTune unpacked."
         )
 
 
