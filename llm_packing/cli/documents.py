@@ -59,11 +59,13 @@ def check_dataset_name(name: str) -> None:
 
 
 def load_documents(name: str, *, config: str | None = None, split: str = "train",
-                   max_samples: int | None = None) -> datasets.Dataset:
+                   max_samples: int | None = None, key: str = "dataset_name") -> datasets.Dataset:
     """
     One split of a dataset: `"chitchat"` (the built-in demo conversations), `"photos"` (the built-in image-text
     conversations), `"clips"` (the built-in video conversations), a local `.json`/`.jsonl`/`.parquet`/`.csv`
-    file, or a hub dataset / dataset folder. `max_samples` keeps the first that many examples.
+    file, or a hub dataset / dataset folder. `max_samples` keeps the first that many examples. A `name` that is
+    neither here nor reachable on the hub is a [`~llm_packing.cli.main.UsageError`] naming `key` (the flag or recipe
+    key that gave it), not `datasets`' `ConnectionError` traceback.
     """
     check_integer("max_samples", max_samples, optional=True)
     check_dataset_name(name)
@@ -89,27 +91,16 @@ def load_documents(name: str, *, config: str | None = None, split: str = "train"
             raise PackingValueError(
                 f"`dataset_name` {name!r} could not be loaded ({error}). Check the name."
             ) from None
+        except ConnectionError as error:  # datasets looked `name` up on the hub: offline, or no network
+            raise UsageError(
+                f"`{key}` {name!r} is neither a local file or folder (paths are relative to {os.getcwd()}) nor a "
+                f"bundled dataset ({', '.join(map(repr, BUNDLED_DATASETS))}), and the hub could not be reached to "
+                f"download it ({error}). Check the name, or connect to the network (and unset HF_HUB_OFFLINE / "
+                "HF_DATASETS_OFFLINE) for a hub dataset."
+            ) from None
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     return dataset
-
-
-def load_named_documents(name: str, *, key: str = "--dataset_name", config: str | None = None, split: str = "train",
-                         max_samples: int | None = None):
-    """
-    `load_documents`, with a `name` that is neither on this machine nor reachable on the hub refused as a
-    [`~llm_packing.cli.main.UsageError`] naming `key` (the flag or recipe key that gave it), not `datasets`'
-    `ConnectionError` traceback.
-    """
-    try:
-        return load_documents(name, config=config, split=split, max_samples=max_samples)
-    except ConnectionError as error:  # datasets looked `name` up on the hub: offline, or no network
-        raise UsageError(
-            f"`{key}` {name!r} is neither a local file or folder (paths are relative to {os.getcwd()}) nor a bundled "
-            f"dataset ({', '.join(map(repr, BUNDLED_DATASETS))}), and the hub could not be reached to download it "
-            f"({error}). Check the name, or connect to the network (and unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) "
-            "for a hub dataset."
-        ) from None
 
 
 def tokenize_documents(dataset: datasets.Dataset, tokenizer, *, messages_field: str = "messages",

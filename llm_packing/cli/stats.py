@@ -23,7 +23,7 @@ from ..core.checks import check_integer
 from ..core.overflow import OVERFLOW_POLICIES, check_max_length, check_overflow_policy, cut_pieces
 from ..core.stats import PackingStats
 from ..errors import PackingValueError
-from .documents import DEMO_TOKENIZER_NAME, load_named_documents, load_tokenizer, tokenize_documents
+from .documents import DEMO_TOKENIZER_NAME, load_documents, load_tokenizer, tokenize_documents
 
 
 class StrategyRun(NamedTuple):
@@ -166,8 +166,8 @@ def _int_flag(flag: str, value: str | None, minimum: int) -> int | None:
 def document_lengths(args: argparse.Namespace) -> np.ndarray:
     """Tokens per example of the dataset the flags name: its `input_ids` lengths, tokenizing it first if needed."""
     name = args.dataset_name
-    dataset = load_named_documents(name, config=args.dataset_config, split=args.dataset_train_split,
-                                   max_samples=args.max_samples)
+    dataset = load_documents(name, config=args.dataset_config, split=args.dataset_train_split,
+                             max_samples=args.max_samples, key="--dataset_name")
     if len(dataset) == 0:
         raise PackingValueError(f"`--dataset_name` {name!r} (split {args.dataset_train_split!r}) has no examples.")
     columns = dataset.column_names

@@ -33,7 +33,7 @@ from ..errors import PackingError, PackingValueError, UnsupportedSetupError
 from ..hook.configure import packing_configured
 from ..trainers.sft import PackedSFTTrainer
 from .arguments import PackingArguments
-from .documents import check_dataset_name, load_named_documents, load_tokenizer, tokenize_documents
+from .documents import check_dataset_name, load_documents, load_tokenizer, tokenize_documents
 from .main import UsageError
 from .recipe_file import check_recipe_number, command_name, config_path, did_you_mean, read_recipe
 from .sample_reply import sample_reply
@@ -334,9 +334,8 @@ def train(script_args, training_args, model_args, packing_args):
     model = load_model(script_args, model_args, training_args, tokenizer)
     # With Ray, one process (global rank 0) packs into the shared `packed_dir`, and the others load its shards.
     with training_args.main_process_first(local=packing_args.packing_engine != "ray", desc="tokenizing and packing"):
-        documents = load_named_documents(script_args.dataset_name, key="dataset_name",
-                                         config=script_args.dataset_config, split=script_args.dataset_train_split,
-                                         max_samples=script_args.max_samples)
+        documents = load_documents(script_args.dataset_name, config=script_args.dataset_config,
+                                   split=script_args.dataset_train_split, max_samples=script_args.max_samples)
         documents = tokenize_documents(documents, tokenizer, messages_field=script_args.dataset_messages_field,
                                        text_field=training_args.dataset_text_field,
                                        assistant_only_loss=training_args.assistant_only_loss,
