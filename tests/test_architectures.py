@@ -73,6 +73,22 @@ def test_candidates_are_mapped_through_the_modeling_module_that_defines_the_clas
     assert {"gemma3_text", "llama4_text"} <= set(candidate_model_types())
 
 
+def test_every_causal_lm_that_calls_no_mask_builder_is_guarded_where_transformers_names_its_module():
+    """`hook.builderless` guards the builderless causal LMs by their conventional module names, without reading every
+    modeling file at configure time: the full scan (the module that defines each causal LM class) finds no
+    builderless one elsewhere, and finds the pure SSMs and recurrent LMs among them."""
+    guarded = set(architectures.causal_lm_modeling_modules())
+    builderless = {}
+    for model_type in causal_lm_classes():
+        path = architectures._modeling_file(model_type)
+        if path is not None and architectures._calls_no_builder(architectures._read(path)):
+            builderless[model_type] = os.path.splitext(os.path.relpath(path, architectures._transformers_models_dir()))
+    names = {t: "transformers.models." + stem.replace(os.sep, ".") for t, (stem, _) in builderless.items()}
+    assert {"mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"} <= names.keys()
+    assert set(names.values()) <= guarded, sorted(set(names.values()) - guarded)
+    assert all(architectures.calls_no_mask_builder(name) for name in names.values())
+
+
 def test_unreachable_architectures_are_refused():
     assert "without create_causal_mask" in REFUSED_MODEL_TYPES["openai-gpt"]
     assert "openai-gpt" not in supported_model_types()

@@ -118,6 +118,25 @@ class TestPatching:
         assert verify_packing(model, atol=1e-5) <= 1e-5
 
 
+BUILDERLESS_IMPORTED_AFTER_CONFIGURING = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from tiny_models import tiny_model
+from llm_packing import ContaminationError, configure_packing, unconfigure_packing
+configure_packing(tiny_model("llama"))
+print("imported" if "transformers.models.mamba.modeling_mamba" in sys.modules else "not-imported", "later")
+mamba = tiny_model("mamba", "eager")
+try:
+    mamba(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 2, 2]]))
+    print("accepted")
+except ContaminationError:
+    print("refused")
+unconfigure_packing()
+print("finders:%d" % sum(type(finder).__name__ == "_PatchOnImport" for finder in sys.meta_path))
+"""
+
+
 class TestBehaviour:
     def test_packed_batch_is_contaminated_without_the_hook_and_exact_with_it(self, model):
         with pytest.raises(ContaminationError, match="configure_packing"):
@@ -167,6 +186,42 @@ class TestBehaviour:
         configure_packing(hybrid)
         with torch.no_grad(), pytest.raises(ContaminationError, match=r"'llama', which `configure_packing` was not"):
             model(**PACKED, use_cache=False)
+
+    @pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"])
+    def test_a_model_that_calls_no_mask_builder_refuses_packed_batches_until_configured(self, model, model_type):
+        """Pure SSMs and recurrent LMs call no mask builder, so the builders' refusal never reached them: once a Llama
+        was configured, an unconfigured mamba took the collator's packed batches silently (4.9-5.4 off alone). Their
+        model classes now refuse an indexed mask and a padding-free batch; their plain batches run unchanged, and once
+        configured their packed batches equal each document alone."""
+        configure_packing(model)
+        other = tiny_model(model_type, attn_implementation="eager").eval()
+        refused = rf"model_type '{model_type}', which `configure_packing` was not called for \(configured: \['llama'\]"
+        ids = PACKED["input_ids"]
+        with torch.no_grad():
+            with pytest.raises(ContaminationError, match=refused):
+                other(**PACKED, use_cache=False)
+            with pytest.raises(ContaminationError, match="restarting"):
+                other(input_ids=ids, position_ids=torch.tensor([[0, 1, 0, 1, 2, 0]] * 2), use_cache=False)
+            ones = torch.ones_like(ids)
+            plain = other(input_ids=ids, attention_mask=ones, use_cache=False).logits
+            unconfigure_packing()
+            assert torch.equal(plain, other(input_ids=ids, attention_mask=ones, use_cache=False).logits)
+            configure_packing(model)
+            configure_packing(other)
+            assert verify_packing(other) >= 0
+            unconfigure_packing()
+            other(**PACKED, use_cache=False)  # the control: without the hook nothing refuses it
+
+    def test_a_builderless_model_imported_after_configuring_refuses_packed_batches(self):
+        """Builderless modeling modules are patched as they are imported (importing them all up front costs seconds):
+        in a fresh interpreter, a mamba first imported after configuring a Llama refuses the packed batch, and
+        `unconfigure_packing` removes the import finder."""
+        import subprocess
+
+        script = BUILDERLESS_IMPORTED_AFTER_CONFIGURING.format(tests=os.path.dirname(os.path.abspath(__file__)))
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.split()[-4:] == ["not-imported", "later", "refused", "finders:0"]
 
     @pytest.mark.parametrize(("backend", "route"), [("sdpa", "dense"), ("sdpa", "varlen"), ("eager", None)])
     def test_a_piece_of_packed_rows_needs_sequence_parallelism(self, backend, route):

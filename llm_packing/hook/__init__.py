@@ -5,6 +5,7 @@ every backend, and `unconfigure_packing()` undoes it.
 - `registry`: the one patch registry, and the replacements that run outside compiled graphs;
 - `documents`: each forward's document layout, read once from the indexed mask and kept with that forward;
 - `builders`: transformers' mask builders and FlashAttention's unpad data, per document;
+- `builderless`: packed batches refused by models that call no mask builder (pure SSMs, ...) unless configured;
 - `masks`: indexed masks (unpad data for FlashAttention, per-document positions, id checks);
 - `shapes`: the attention heads' widths, per layer where the config varies them;
 - `attention/`: attention per document where the builders cannot express it alone (sdpa's varlen route, chunked

@@ -113,12 +113,17 @@ def _refuse_unconfigured_model_type(config) -> None:
     type: a packed batch reaching a model of another type would be isolated in its attention only, if at all."""
     model_type = getattr(config, "model_type", None)
     if not registry.is_configured_model_type(model_type):
-        raise ContaminationError(
-            f"A packed batch (indexed `attention_mask`) reached a model of model_type {model_type!r}, which "
-            f"`configure_packing` was not called for (configured: {registry.configured_model_types()}): its "
-            "documents are not proven isolated, and its mixers or rotary embeddings are not patched. Call "
-            "`llm_packing.configure_packing(model)` on this model too."
-        )
+        raise unconfigured_model_type_error(model_type, "indexed `attention_mask`")
+
+
+def unconfigured_model_type_error(model_type: str | None, layout: str) -> ContaminationError:
+    """The error for a packed batch (told by `layout`) reaching a model of a type `configure_packing` was not given."""
+    return ContaminationError(
+        f"A packed batch ({layout}) reached a model of model_type {model_type!r}, which `configure_packing` was not "
+        f"called for (configured: {registry.configured_model_types()}): its documents are not proven isolated, and "
+        "its mixers or rotary embeddings are not patched. Call `llm_packing.configure_packing(model)` on this model "
+        "too."
+    )
 
 
 def _refuse_piece_without_sequence_parallelism(attention_mask: torch.Tensor, inputs_embeds: torch.Tensor) -> None:

@@ -3,8 +3,9 @@ attention on every backend, and `unconfigure_packing()`, which undoes it.
 
 Configuring checks the architecture and backend (`hook.support`), then replaces, through the one registry
 (`hook.registry`): the causal mask builders and FlashAttention's `_get_unpad_data` wherever transformers binds them
-(`hook.builders`), sdpa's attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`), the sparse
-key indexers (`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), Llama 4's attention temperature
+(`hook.builders`; models that call no builder refuse packed batches unless configured: `hook.builderless`), sdpa's
+attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`), the sparse key indexers
+(`hook.attention.indexers`), ALiBi builders (`hook.attention.alibi`), Llama 4's attention temperature
 (`hook.attention.temperature`), the rotary embeddings whose frequencies follow the batch's length (`hook.rotary`),
 `transformers.Trainer`'s choice of dataset columns, which keeps `seq_lengths` (`hook.trainer_columns`), and adds the
 model's guards (`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that passes its
@@ -22,7 +23,7 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import builders, cache, guards, mixers, registry, rotary, router_loss, trainer_columns
+from . import builderless, builders, cache, guards, mixers, registry, rotary, router_loss, trainer_columns
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
 from .support.model_types import config_parts, modeling_module
@@ -109,6 +110,7 @@ def configure_packing(
     modeling_module(config)  # imported now, so that its module-level builder bindings get patched too
     registry.add_configured_model_types(_model_types(config))
     _patch_builders()
+    builderless.refuse_packed_batches_in_builderless_models()
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
         guards.refuse_batches_without_documents(model_or_config)

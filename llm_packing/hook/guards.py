@@ -84,14 +84,20 @@ def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tup
                                       functools.partial(_refuse_flattened_batch, mixer_names=mixer_names))
 
 
-def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...]):
+def flattened_layout(kwargs: dict) -> str | None:
+    """How a call's keyword arguments say that its batch is padding-free packed documents (no `attention_mask`;
+    `position_ids` restarting within a row, or FlashAttention's `cu_seq_lens_q`), or None if they do not."""
     if kwargs.get("attention_mask") is not None:
-        return
+        return None
     positions = kwargs.get("position_ids")
-    restarting = (isinstance(positions, torch.Tensor) and positions.shape[-1] > 1
-                  and bool((positions[..., 1:] == 0).any()))
-    if restarting or kwargs.get("cu_seq_lens_q") is not None:
-        layout = "`position_ids` restarting within a row" if restarting else "`cu_seq_lens_q`"
+    if isinstance(positions, torch.Tensor) and positions.shape[-1] > 1 and bool((positions[..., 1:] == 0).any()):
+        return "`position_ids` restarting within a row"
+    return "`cu_seq_lens_q`" if kwargs.get("cu_seq_lens_q") is not None else None
+
+
+def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...]):
+    layout = flattened_layout(kwargs)
+    if layout is not None:
         raise ContaminationError(
             f"A padding-free batch (no `attention_mask`; {layout}) reached model_type {module.config.model_type!r}, "
             f"whose {', '.join(mixer_names)} read the documents only from an indexed `attention_mask`: their conv "

@@ -144,6 +144,7 @@ class _ModelMaskPerThread(threading.local):
 
 
 _model_mask = _ModelMaskPerThread()
+_RECORDS_MASK = "__llm_packing_records_model_mask__"
 
 
 def mixer_classes(model_type: str) -> list[type]:
@@ -188,8 +189,10 @@ def patch_mixers(model_type: str) -> None:
             registry.replace_attribute(cls, "__call__", _call_without_checkpointing)
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     for cls in (getattr(module, name) for name in MASK_RECORDERS.get(model_type, ())):
-        if not registry.is_ours(cls.__call__):
-            registry.replace_attribute(cls, "__call__", registry.ours(_record_mask(cls.__call__, cls.forward)))
+        if not getattr(cls.__call__, _RECORDS_MASK, False):  # wrapped already, perhaps by `hook.builderless` only
+            recorder = registry.ours(_record_mask(cls.__call__, cls.forward))
+            setattr(recorder, _RECORDS_MASK, True)
+            registry.replace_attribute(cls, "__call__", recorder)
 
 
 def check_mixers_covered(model) -> None:

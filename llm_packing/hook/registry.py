@@ -7,6 +7,8 @@ forward pre-hooks (the model's guards). [`restore_all`] undoes them newest first
 still in place: an object someone replaced after us is theirs to restore.
 """
 
+import importlib.abc
+import importlib.machinery
 import sys
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -63,7 +65,7 @@ class _Replacement:
 _replacements: list[_Replacement] = []
 _swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
 _hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward (pre-)hook
-_undos: dict[str, Callable[[], None]] = {}  # name -> what undoes a change that is neither attribute nor hook
+_on_import: dict[str, Callable[[], None]] = {}  # module name -> the patch to run once that module has run
 _configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
 
 
@@ -128,10 +130,49 @@ def replaced_objects() -> list[tuple[Any, Any]]:
     return found
 
 
-def add_undo(name: str, undo: Callable[[], None]) -> None:
-    """Run `undo` at [`restore_all`], once per `name` (for a change that is neither an attribute nor a hook: an
-    import finder in `sys.meta_path`)."""
-    _undos.setdefault(name, undo)
+def patch_on_import(module_name: str, patch: Callable[[], None]) -> None:
+    """Run `patch` now if `module_name` is imported, else as soon as it is (an import finder in `sys.meta_path`,
+    removed at [`restore_all`]), so that the order of a notebook's imports does not matter. `patch` must be
+    idempotent: it also runs again if the module is imported again."""
+    if module_name in sys.modules:
+        patch()
+        return
+    _on_import[module_name] = patch
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds the modules of `_on_import` as the path finder does, with a loader that runs their patch once the module
+    has run; finds nothing else."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _on_import:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        patch = _on_import.get(module.__name__)
+        if patch is not None:
+            patch()
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the path finder's loader
+        return getattr(self._loader, name)
+
+
+_FINDER = _PatchOnImport()
 
 
 def add_configured_model_types(model_types) -> None:
@@ -148,14 +189,15 @@ def configured_model_types() -> list[str]:
 
 
 def is_active() -> bool:
-    return bool(_replacements or _swept or _hooks or _undos)
+    return bool(_replacements or _swept or _hooks or _on_import)
 
 
 def restore_all() -> None:
     """Undo every replacement, newest first; safe to call twice."""
     _configured_model_types.clear()
-    while _undos:
-        _undos.popitem()[1]()
+    _on_import.clear()
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     while _hooks:
         _hooks.popitem()[1].remove()
     while _replacements:

@@ -11,13 +11,10 @@ choose their columns themselves (and keep it), so only `Trainer`'s default is ex
 `transformers.trainer` is never imported here: importing it costs about a second and, with DeepSpeed installed, prints
 DeepSpeed's accelerator line into a `verify` run's output. `configure_packing` and `DataCollatorWithPacking` both call
 [`keep_packing_columns`]: it patches `Trainer` where `transformers.trainer` is imported already, and otherwise as soon
-as it is (an import finder, `_PatchOnImport`, removed by `unconfigure_packing`), so the order of a notebook's imports
-does not matter.
+as it is (`registry.patch_on_import`), so the order of a notebook's imports does not matter.
 """
 
 import functools
-import importlib.abc
-import importlib.machinery
 import sys
 
 from ..errors import ContaminationError
@@ -31,12 +28,11 @@ _TRAINER_MODULE = "transformers.trainer"
 def keep_packing_columns() -> None:
     """Extend `transformers.Trainer`'s kept columns with `PACKING_COLUMNS`, now if `transformers.trainer` is imported,
     else when it is (idempotent; restored through the registry)."""
-    trainer = sys.modules.get(_TRAINER_MODULE)
-    if trainer is None or not hasattr(trainer, "Trainer"):  # not imported, or being imported (the finder's call)
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
-            registry.add_undo("trainer import finder", _remove_finder)
-        return
+    registry.patch_on_import(_TRAINER_MODULE, _extend_trainer_columns)
+
+
+def _extend_trainer_columns() -> None:
+    trainer = sys.modules[_TRAINER_MODULE]
     original = trainer.Trainer._set_signature_columns_if_needed
     if not registry.is_ours(original):
         replacement = registry.ours(_keeping_packing_columns(original), eager=False)
@@ -80,40 +76,3 @@ def _keeping_packing_columns(original):
             self._signature_columns = [*self._signature_columns, *missing]
 
     return set_signature_columns_keeping_packing_columns
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds `transformers.trainer` as the path finder does, with a loader that patches `Trainer` once the module has
-    run; finds nothing else."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _TRAINER_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        if registry.is_active():
-            keep_packing_columns()
-
-    def __getattr__(self, name):  # get_source, get_filename, ...: the path finder's loader
-        return getattr(self._loader, name)
-
-
-_FINDER = _PatchOnImport()
-
-
-def _remove_finder() -> None:
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)

@@ -70,8 +70,8 @@ def _transformers_models_dir() -> str:
 
 
 @functools.cache
-def _modeling_source(model_type: str) -> str | None:
-    """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
+def _modeling_file(model_type: str) -> str | None:
+    """Path of the modeling module defining `model_type`'s causal LM class, or None if not found."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     class_name = _causal_lm_classes().get(model_type)
@@ -86,11 +86,55 @@ def _modeling_source(model_type: str) -> str | None:
             continue
         for file_name in sorted(os.listdir(folder)):
             if file_name.startswith("modeling_") and file_name.endswith(".py"):
-                with open(os.path.join(folder, file_name), encoding="utf-8") as handle:
-                    source = handle.read()
-                if definition.search(source):
-                    return source
+                path = os.path.join(folder, file_name)
+                if definition.search(_read(path)):
+                    return path
     return None
+
+
+@functools.cache
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _modeling_source(model_type: str) -> str | None:
+    """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
+    path = _modeling_file(model_type)
+    return None if path is None else _read(path)
+
+
+def _calls_no_builder(source: str) -> bool:
+    return not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES)
+
+
+def causal_lm_modeling_modules() -> tuple[str, ...]:
+    """The modeling modules that hold the causal LM classes of the installed transformers, by transformers' naming
+    (`transformers.models.<module>.modeling_<module>`), without reading or importing them."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    names = {model_type_to_module_name(model_type) for model_type in _causal_lm_classes()}
+    return tuple(sorted(f"transformers.models.{name}.modeling_{name}" for name in names))
+
+
+@functools.cache
+def calls_no_mask_builder(module_name: str) -> bool:
+    """
+    Whether the source of the module `module_name` names none of the mask builders the hook replaces (read, not
+    imported): pure SSMs and recurrent LMs, and older architectures with masks of their own.
+
+    Example:
+    ```python
+    >>> from llm_packing.hook.support.architectures import calls_no_mask_builder
+    >>> calls_no_mask_builder("transformers.models.mamba.modeling_mamba")
+    True
+    >>> calls_no_mask_builder("transformers.models.llama.modeling_llama")
+    False
+
+    ```
+    """
+    spec = importlib.util.find_spec(module_name)
+    return spec is not None and spec.origin is not None and _calls_no_builder(_read(spec.origin))
 
 
 def _scan_reason(model_type: str) -> str | None:
@@ -106,7 +150,7 @@ def _scan_reason(model_type: str) -> str | None:
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
     # Mixers take the 2-D mask as the model hands it to them (hook.mixers re-batches); pure SSMs build no other.
-    if not isolated_mixers and not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES):
+    if not isolated_mixers and _calls_no_builder(source):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
 
