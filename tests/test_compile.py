@@ -102,3 +102,37 @@ def test_recipe_with_torch_compile_trains_as_eager(tmp_path, caplog):
         assert (compiled_frames() > 0) == compile_
     assert "isolation verified" in caplog.text
     assert losses[True] == pytest.approx(losses[False], abs=1e-4), losses
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_a_compiled_model_stays_compiled_through_new_lengths_and_an_eval_pass(monkeypatch, dynamic):
+    """The hook's graph breaks make transformers' shared `deprecate_kwarg` wrapper take a dynamo entry per wrapped
+    forward and variant: at dynamo's default limit of 8, an eval pass after two training batches (or, with
+    `dynamic=False`, a third length) fell back to eager for good. Configuring raises the limit to 64, restored after;
+    dynamo is made to fail on hitting a limit, and with the default limit put back (the control) it does."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from llm_packing.hook.compile_limits import RECOMPILE_LIMIT
+
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    default = torch._dynamo.config.recompile_limit
+    for limit in (None, default):
+        torch._dynamo.reset()
+        model = tiny_model("llama", "sdpa", num_hidden_layers=4).train()
+        compiled = torch.compile(model, backend="eager", dynamic=dynamic)
+        with packing_configured(model):
+            batches = packed_batches(4, seed=1)
+            assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+            if limit is not None:  # set by hand, so `unconfigure_packing` leaves it to us: the default again
+                torch._dynamo.config.recompile_limit = limit
+            try:
+                for batch in batches[:3]:
+                    compiled(**batch, use_cache=False).loss.backward()
+                model.eval()
+                with torch.no_grad():
+                    compiled(**batches[3], use_cache=False)
+            except FailOnRecompileLimitHit:
+                assert limit is not None, "the raised limit was hit"
+                continue
+        assert limit is None, "the control did not hit the default limit"
+    assert torch._dynamo.config.recompile_limit == default

@@ -57,7 +57,9 @@ class DataCollatorWithPacking(DataCollatorMixin):
         padding_free (`bool`, *optional*, defaults to `False`):
             Flatten the batch into a single row with `position_ids` and no `attention_mask`, for models that are not
             configured for packing (like [`~transformers.DataCollatorWithFlattening`]). On sdpa/eager this builds a
-            dense mask over the whole flattened batch, which costs more than `B` separate rows.
+            dense mask over the whole flattened batch, which costs more than `B` separate rows. transformers
+            isolates the documents from the `position_ids` alone, so anything that drops them merges the documents:
+            PEFT's prompt tuning and p-tuning do (with a warning).
         return_flash_attn_kwargs (`bool`, *optional*, defaults to `False`):
             Add `cu_seq_lens_q/k` (`int32`, over the `B * L` flattened tokens, each row's trailing padding one
             segment) and `max_length_q/k` (`int`), and leave out `attention_mask`, which FlashAttention would give

@@ -15,6 +15,8 @@ every backend, and `unconfigure_packing()` undoes it.
 - `media/`: images and videos kept with their documents (the proven types prepared, all other media refused);
 - `trainer_columns`: `transformers.Trainer` keeps the packed rows' `seq_lengths` for the collator;
 - `guards`: training batches without documents, and kernels measured wrong on packed rows, refused;
+- `peft_methods`: PEFT methods that read a packed row as one sequence (prompt learning, activated LoRA), refused;
+- `compile_limits`: dynamo's recompile limit, raised so that compiled packed models stay compiled;
 - `cache`: the KV cache of a packed forward refused with the fix, an image-text model's top-level `use_cache=False`
   passed on to its text model;
 - `verify`: `verify_packing`, the behavioural check (its limits, calibrated on the model's own noise, in

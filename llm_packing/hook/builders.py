@@ -171,7 +171,9 @@ def _refuse_float_document_ids(attention_mask) -> None:
         raise PackingTypeError(
             f"`attention_mask` is a {attention_mask.dtype} 2-D mask holding document ids up to "
             f"{attention_mask.max().item():g}: transformers would cast it to bool and merge the documents. Pass the "
-            "indexed mask as integers (`attention_mask.long()`), as DataCollatorWithPacking emits it."
+            "indexed mask as integers (`attention_mask.long()`), as DataCollatorWithPacking emits it. (PEFT's prompt "
+            "tuning, p-tuning and prefix tuning make the mask float to add their virtual tokens: those cannot be "
+            "packed, since only a row's first document would follow them; use LoRA.)"
         )
 
 

@@ -9,7 +9,8 @@ attention function (`hook.attention.varlen`), the hybrid mixers (`hook.mixers`),
 (`hook.attention.temperature`), the rotary embeddings whose frequencies follow the batch's length (`hook.rotary`),
 `transformers.Trainer`'s choice of dataset columns, which keeps `seq_lengths` (`hook.trainer_columns`), and adds the
 model's guards (`hook.guards`, `hook.media.multimodal`) and, for an image-text model, the pre-hook that passes its
-top-level `use_cache=False` on to its text model (`hook.cache`). Nothing is patched at import time.
+top-level `use_cache=False` on to its text model (`hook.cache`); it raises dynamo's recompile limit
+(`hook.compile_limits`). Nothing is patched at import time.
 """
 
 import contextlib
@@ -23,7 +24,19 @@ import torch
 from .. import _compat
 from .._compat import MASK_BUILDER_NAMES
 from ..errors import PackingTypeError, UnsupportedSetupError
-from . import builderless, builders, cache, guards, mixers, registry, rotary, router_loss, trainer_columns
+from . import (
+    builderless,
+    builders,
+    cache,
+    compile_limits,
+    guards,
+    mixers,
+    peft_methods,
+    registry,
+    rotary,
+    router_loss,
+    trainer_columns,
+)
 from .attention import alibi, indexers, temperature, varlen
 from .media import multimodal
 from .support.model_types import config_parts, modeling_module
@@ -96,6 +109,7 @@ def configure_packing(
         require_supported(config)
         if isinstance(model_or_config, torch.nn.Module):
             require_transformers_modeling_code(model_or_config)
+            peft_methods.check_adapters(model_or_config)
             mixers.check_mixers_covered(model_or_config)
             indexers.check_indexers_covered(model_or_config)
         backend = getattr(config, "_attn_implementation", None)
@@ -116,6 +130,7 @@ def configure_packing(
         guards.refuse_batches_without_documents(model_or_config)
         guards.refuse_labels_across_documents(model_or_config)
         guards.refuse_broken_kernels(model_or_config)
+        peft_methods.refuse_activated_lora_added_later(model_or_config)
         guards.refuse_flattened_batches_for_mixers(model_or_config, mixers.mask_reading_mixers(config.model_type))
         cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
@@ -127,6 +142,7 @@ def configure_packing(
     router_loss.patch_load_balancing_losses(config)
     trainer_columns.keep_packing_columns()
     trainer_columns.refuse_packed_rows_in_flattening_collator()
+    compile_limits.raise_recompile_limit()
     return model_or_config
 
 

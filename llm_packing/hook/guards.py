@@ -171,7 +171,7 @@ def _refuse_batch_without_documents(module, args, kwargs):
     if not (module.training and torch.is_grad_enabled()) or _tells_documents(kwargs, mask):
         return
     raise ContaminationError(
-        f"A training batch (input_ids of shape {_input_shape(args, kwargs)}) reached a model configured for packing "
+        f"A training batch ({_inputs(args, kwargs)}) reached a model configured for packing "
         f"with {_describe(mask)} and no `position_ids`: nothing tells where its documents start, so packed rows would "
         "attend across documents (stock `trl.SFTTrainer`'s default collator on `pack_dataset` rows does this). Train "
         "with `llm_packing.PackedSFTTrainer`, or collate with `llm_packing.DataCollatorWithPacking` (it sends the "
@@ -189,14 +189,14 @@ def _refuse_backward_without_documents(module, args, kwargs, output):
         return
     hidden = output[0] if isinstance(output, (tuple, dict)) else output
     if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-        hidden.register_hook(functools.partial(_refuse_backward, shape=_input_shape(args, kwargs),
+        hidden.register_hook(functools.partial(_refuse_backward, inputs=_inputs(args, kwargs),
                                                described=_describe(mask)))
 
 
-def _refuse_backward(gradient, *, shape, described: str):
+def _refuse_backward(gradient, *, inputs: str, described: str):
     raise ContaminationError(
-        f"A backward pass ran through a forward of a model configured for packing in eval mode (input_ids of shape "
-        f"{shape}, {described}, no `position_ids`): a training step with nothing telling where its documents start, "
+        f"A backward pass ran through a forward of a model configured for packing in eval mode ({inputs}, "
+        f"{described}, no `position_ids`): a training step with nothing telling where its documents start, "
         "so packed rows would attend across documents. Call `model.train()` before training (`from_pretrained` "
         "returns an eval-mode model), and collate with `llm_packing.DataCollatorWithPacking` (it sends the indexed "
         "mask and `position_ids`); to train unpacked rows instead, call `llm_packing.unconfigure_packing()`."
@@ -210,9 +210,15 @@ def _tells_documents(kwargs, mask) -> bool:
     return is_integer_mask(mask) and bool(mask.numel()) and documents_of(mask).is_packed
 
 
-def _input_shape(args, kwargs):
+def _inputs(args, kwargs) -> str:
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    return tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else "?"
+    if isinstance(input_ids, torch.Tensor):
+        return f"input_ids of shape {tuple(input_ids.shape)}"
+    embeds = kwargs.get("inputs_embeds")
+    if not isinstance(embeds, torch.Tensor):
+        return "inputs of unknown shape"
+    # PEFT's prompt tuning and p-tuning pass embeddings with their virtual tokens, and drop `position_ids`.
+    return f"inputs_embeds of shape {tuple(embeds.shape)}; PEFT's prompt learning cannot be packed, use LoRA"
 
 
 def _describe(mask) -> str:

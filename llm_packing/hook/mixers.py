@@ -34,6 +34,7 @@ from . import registry
 from .cache import use_cache_fix
 from .documents import bucket_bounds, documents_from_positions, documents_of
 from .masks import is_integer_mask
+from .peft_methods import refuse_per_row_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +296,7 @@ def _wrap_forward(forward, call: MixerCall):
                 f"(`{cache_name}`, i.e. `use_cache=True`): its conv and recurrent state would carry one document "
                 f"into the next. {use_cache_fix()}{call.cache_hint}"
             )
+        refuse_per_row_adapters(module)
         hidden_states = arguments.pop(call.hidden)
         per_token = {name: arguments.pop(name) for name in call.per_token}
         if call.mask is not None:
