@@ -176,3 +176,16 @@ def _gradients(model, trainable, batch, alone=False) -> list[torch.Tensor]:
 
 def _summed_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+
+
+def test_modules_to_save_on_a_hybrids_mixer_packs_exactly():
+    """`modules_to_save=["conv"]` on lfm2 wraps its short-convolution mixer and, beside it, the mixer's inner Conv1d
+    (which nothing calls): the coverage check took that second wrapper for an unhandled mixer and refused the model."""
+    model = get_peft_model(tiny_model("lfm2", "sdpa"), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                   modules_to_save=["conv"]))
+    batch = packed_batch()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    with packing_configured(model):
+        assert max(_max_differences(model, batch, attention_mask=batch["attention_mask"])) <= TOLERANCE
+        packed, alone = _gradients(model, trainable, batch), _gradients(model, trainable, batch, alone=True)
+    assert max(float((a - b).abs().max()) for a, b in zip(packed, alone, strict=True)) <= TOLERANCE

@@ -202,9 +202,13 @@ def check_mixers_covered(model) -> None:
     model_type = model.config.model_type
     handled = tuple(mixer_classes(model_type))
     covered: list[str] = []  # names of the handled mixers: their submodules run inside them, per document
+    inside: set[int] = set()  # the modules of the handled mixers, wherever else they are registered too
     for name, module in model.named_modules():
-        if isinstance(module, handled):
+        if isinstance(module, handled) or id(getattr(module, "original_module", None)) in inside:
+            # PEFT's `modules_to_save=["conv"]` on lfm2 wraps the handled mixer and, beside it, the mixer's own Conv1d
+            # (a wrapper whose `original_module` is inside the mixer, with copies of it, which nothing calls).
             covered.append(name + ".")
+            inside.update(id(part) for part in module.modules())
         elif _looks_like_mixer(module) and not name.startswith(tuple(covered)) and not _in_media_tower(name):
             raise UnsupportedSetupError(
                 f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a non-attention mixer "
