@@ -4,13 +4,16 @@
     python benchmarks/pack_dataset_speed.py --data /tmp/corpus-1m --quick          # 100k rows, 2 pairs
     python benchmarks/pack_dataset_speed.py --data /tmp/corpus-10m --rows 10000000 --only ours --repeats 1
     python benchmarks/pack_dataset_speed.py --data /tmp/corpus-1m --in-memory      # the old, convenient case
+    python benchmarks/pack_dataset_speed.py --data /tmp/corpus-1m-mask --attention-mask  # a tokenizer's mask too
 
 Prints a markdown report; `--output FILE` also writes it there.
 
 The dataset is what users pack: a tokenized `datasets` cache file (what `.map` writes) of 1,000-row record batches,
 memory-mapped with `Dataset.from_file`, lognormal lengths (median 250, sigma 1) clipped to [1, max_length] and random
-int32 ids. It is written block by block (bounded memory) under `--data` unless already there. With `--in-memory` the
-same table is read into memory first (one chunk, outside the timing), as the README's earlier numbers had it.
+int32 ids (with `--attention-mask`, also the all-ones int8 `attention_mask` a tokenizer's `.map` writes, which
+`pack_dataset` checks for padding). It is written block by block (bounded memory) under `--data` unless already there.
+With `--in-memory` the same table is read into memory first (one chunk, outside the timing), as the README's earlier
+numbers had it.
 
 Every run is a fresh process (`--child`) that loads the dataset, then times the pack call alone. Caching is off in
 both (`datasets.disable_caching()`: outputs go to a temporary directory and nothing is reloaded), so each run packs.
@@ -50,11 +53,14 @@ BLOCK_ROWS = 100_000  # rows generated at a time: ~160 MB of tokens
 NAMES = {"ours": "llm_packing.pack_dataset (global BFD)", "trl": "trl.data_utils.pack_dataset bfd (per 1000 rows)"}
 
 
-def make_corpus(path: str, rows: int, max_length: int, seed: int = 20240611) -> None:
+def make_corpus(path: str, rows: int, max_length: int, attention_mask: bool = False, seed: int = 20240611) -> None:
     """A `datasets` cache file of `rows` tokenized rows in 1,000-row record batches, written a block at a time."""
     import datasets
 
-    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+    columns = {"input_ids": datasets.List(datasets.Value("int32"))}
+    if attention_mask:
+        columns["attention_mask"] = datasets.List(datasets.Value("int8"))
+    features = datasets.Features(columns)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_stream(sink, features.arrow_schema) as writer:
         for block, first in enumerate(range(0, rows, BLOCK_ROWS)):
@@ -63,7 +69,10 @@ def make_corpus(path: str, rows: int, max_length: int, seed: int = 20240611) -> 
             lengths = np.clip(np.rint(rng.lognormal(np.log(250), 1.0, n)), 1, max_length).astype(np.int64)
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             tokens = pa.array(rng.integers(0, VOCAB_SIZE, int(lengths.sum()), dtype=np.int32))
-            table = pa.Table.from_arrays([pa.ListArray.from_arrays(offsets, tokens)], schema=features.arrow_schema)
+            arrays = [pa.ListArray.from_arrays(offsets, tokens)]
+            if attention_mask:
+                arrays.append(pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(tokens), dtype=np.int8))))
+            table = pa.Table.from_arrays(arrays, schema=features.arrow_schema)
             writer.write_table(table, max_chunksize=1000)
     os.replace(path + ".tmp", path)
 
@@ -127,6 +136,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per packer")
     parser.add_argument("--only", choices=["ours", "trl"], help="run one packer only")
     parser.add_argument("--in-memory", action="store_true", help="read the corpus into memory before timing")
+    parser.add_argument("--attention-mask", action="store_true",
+                        help="make the corpus with a tokenizer's all-ones `attention_mask` column too")
     parser.add_argument("--num-proc", type=int, help="`num_proc` of our pack_dataset (its processes' CPU counts too)")
     parser.add_argument("--output", help="also write the report to this file")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
@@ -139,9 +150,10 @@ def main() -> None:
 
     if not os.path.exists(args.data):
         start = time.perf_counter()
-        make_corpus(args.data, args.rows, args.max_length)
+        make_corpus(args.data, args.rows, args.max_length, args.attention_mask)
         print(f"made {args.data} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    source = summary(datasets.Dataset.from_file(args.data).data.table)
+    corpus = datasets.Dataset.from_file(args.data)
+    source = summary(corpus.data.table)
     lower_bound = -(-source["tokens"] // args.max_length)
     packers = [args.only] if args.only else ["ours", "trl"]
     lines = [
@@ -152,7 +164,8 @@ def main() -> None:
          f"{datasets.__version__}"),
         f"- load average at start: {_load()} (shared with other sessions: compare the paired ratios)",
         (f"- dataset: {source['rows']:,} rows, {source['tokens']:,} tokens "
-         f"({os.path.getsize(args.data) / 2**30:.1f} GiB file, 1,000-row record batches), "
+         f"({os.path.getsize(args.data) / 2**30:.1f} GiB file, 1,000-row record batches, columns "
+         f"{', '.join(corpus.column_names)}), "
          f"{'read into memory before timing' if args.in_memory else 'memory-mapped'}; max_length {args.max_length}, "
          f"lower bound (LB) {lower_bound:,} rows"),
         "",
