@@ -111,10 +111,9 @@ def test_a_compiled_model_stays_compiled_through_new_lengths_and_an_eval_pass(mo
     `dynamic=False`, a third length) fell back to eager for good. Configuring raises the limit to 64, restored after;
     dynamo is made to fail on hitting a limit, and with the default limit put back (the control) it does."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
+    from transformers.models.llama import modeling_llama
 
     from llm_packing.hook.compile_limits import RECOMPILE_LIMIT
-
-    from transformers.models.llama import modeling_llama
 
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     default = torch._dynamo.config.recompile_limit

@@ -16,9 +16,9 @@ from ..errors import UnsupportedSetupError
 from ..hook import registry
 from ..hook.attention import varlen
 from ..hook.configure import configure_packing
-from ..hook.mixers import MIXERS
 from ..hook.rotary import length_dependent_rope_types
 from ..hook.support.architectures import non_attention_layer_types
+from ..hook.support.mixers import MIXERS
 from ..hook.support.sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES
 from .ulysses import check_heads, sharded_attention
 

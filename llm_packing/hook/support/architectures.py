@@ -19,6 +19,7 @@ import re
 from ..._compat import MASK_BUILDER_NAMES, TRANSFORMERS_VERSION
 from ...errors import UnsupportedSetupError
 from .image_text import PROVEN_IMAGE_TEXT_TYPES, backend_refusal as image_text_backend_refusal
+from .mixers import MIXERS
 from .model_types import causal_lm_classes as _causal_lm_classes, causal_lm_model_type, config_parts
 from .releases import backend_too_old
 from .table import (
@@ -146,19 +147,13 @@ def _scan_reason(model_type: str) -> str | None:
     source = _modeling_source(model_type)
     if source is None:
         return f"the modeling module of {_causal_lm_classes()[model_type]} was not found"
-    isolated_mixers = model_type in _mixer_model_types()
+    isolated_mixers = model_type in MIXERS
     if not isolated_mixers and any(marker in source for marker in _HYBRID_MARKERS):
         return "hybrid: linear-attention/SSM/conv layers carry state across documents (no per-document varlen path)"
     # Mixers take the 2-D mask as the model hands it to them (hook.mixers re-batches); pure SSMs build no other.
     if not isolated_mixers and _calls_no_builder(source):
         return "builds its attention mask without create_causal_mask and its siblings, so the hook cannot reach it"
     return None
-
-
-def _mixer_model_types():
-    from ..mixers import MIXERS
-
-    return MIXERS.keys()
 
 
 @functools.cache
@@ -281,7 +276,7 @@ def require_supported(config) -> None:
     stateful = non_attention_layer_types(config) if reason is None else []
     if refused_kinds := [kind for kind in stateful if kind in REFUSED_LAYER_TYPES]:
         reason = f"`layer_types` holds {refused_kinds[0]!r} layers: {REFUSED_LAYER_TYPES[refused_kinds[0]]}"
-    elif stateful and model_type not in _mixer_model_types():
+    elif stateful and model_type not in MIXERS:
         reason = f"`layer_types` holds non-attention layers {stateful}, which carry state across documents"
     if reason is None:
         return
