@@ -115,7 +115,7 @@ def check_mixers_covered(model) -> None:
                 f"Module {name!r} of model_type {model_type!r} is a {type(module).__name__}, a non-attention mixer "
                 "(it owns a causal convolution) that llm_packing does not isolate (handled for this type: "
                 f"{sorted(cls.__name__ for cls in handled)}). Train this model without packing, or add the class to "
-                "`llm_packing.hook.mixers.MIXERS` with a parity test."
+                "`llm_packing.hook.support.mixers.MIXERS` with a parity test."
             )
 
 
