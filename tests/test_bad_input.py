@@ -703,3 +703,20 @@ def test_a_training_step_left_in_eval_mode_needs_its_documents():
         model(**naive, labels=input_ids).loss.backward()
     finally:
         unconfigure_packing()
+
+
+def test_a_packed_row_past_gpt_neos_causal_buffer_is_refused_with_the_limit():
+    """gpt_neo's eager attention slices a causal buffer of `max_position_embeddings` tokens by the row's length: a
+    longer packed row of short documents failed with a raw shape error. Refused with the limit; rows within it run."""
+    from tiny_models import packed_batch
+
+    from llm_packing.hook.configure import packing_configured
+
+    model = tiny_model("gpt_neo", "eager").eval()
+    limit = model.config.max_position_embeddings
+    with packing_configured(model), torch.no_grad():
+        long = packed_batch(document_lengths=((40,) * 4,), row_length=limit + 32)
+        with pytest.raises(UnsupportedSetupError, match=rf"row of {limit + 32} tokens .* `max_length` <= {limit}"):
+            model(**{key: long[key] for key in ("input_ids", "attention_mask", "position_ids")}, use_cache=False)
+        within = packed_batch(document_lengths=((40,) * 3,), row_length=limit)
+        model(**{key: within[key] for key in ("input_ids", "attention_mask", "position_ids")}, use_cache=False)

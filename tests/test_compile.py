@@ -109,7 +109,8 @@ def test_a_compiled_model_stays_compiled_through_new_lengths_and_an_eval_pass(mo
     """The hook's graph breaks make transformers' shared `deprecate_kwarg` wrapper take a dynamo entry per wrapped
     forward and variant: at dynamo's default limit of 8, an eval pass after two training batches (or, with
     `dynamic=False`, a third length) fell back to eager for good. Configuring raises the limit to 64, restored after;
-    dynamo is made to fail on hitting a limit, and with the default limit put back (the control) it does."""
+    dynamo is made to fail on hitting a limit, and with the default limit put back (the control) it does. A limit the
+    user set is left alone."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
     from transformers.models.llama import modeling_llama
 
@@ -139,3 +140,5 @@ def test_a_compiled_model_stays_compiled_through_new_lengths_and_an_eval_pass(mo
                 continue
         assert limit is None, "the control did not hit the default limit"
     assert torch._dynamo.config.recompile_limit == default
+    with torch._dynamo.config.patch(recompile_limit=5), packing_configured(tiny_model("llama")):
+        assert torch._dynamo.config.recompile_limit == 5  # a limit the user set is theirs

@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers.masking_utils as masking_utils
 import transformers.modeling_flash_attention_utils as flash_utils
-from tiny_models import require_model_type, tiny_model
+from test_parity import _max_differences
+from tiny_models import packed_batch, require_model_type, tiny_model
 from transformers.models.llama import modeling_llama
 
 import llm_packing
@@ -24,6 +25,7 @@ from llm_packing import (
     configure_packing,
     is_packing_configured,
     packing_configured,
+    supported_model_types,
     unconfigure_packing,
     verify_packing,
 )
@@ -186,6 +188,34 @@ class TestBehaviour:
         configure_packing(hybrid)
         with torch.no_grad(), pytest.raises(ContaminationError, match=r"'llama', which `configure_packing` was not"):
             model(**PACKED, use_cache=False)
+
+    @pytest.mark.parametrize("model_type", ["llama", "biogpt", "xglm", "opt", "git"])
+    def test_a_packed_batch_without_position_ids_gets_each_documents_own(self, model_type):
+        """Given the indexed mask alone, each document is numbered from 0 as the collator would. biogpt, xglm and git
+        build their mask before numbering positions, so the builders' position check never saw them: their packed
+        documents took the row's positions (0.11-0.57 off alone), opt's the mask's cumulative sum (a raw
+        `IndexError`), and llama refused the batch."""
+        model = tiny_model(model_type, attn_implementation="eager").eval()
+        batch = packed_batch()
+        with packing_configured(model), torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            assert max(_max_differences(model, batch, logits=logits.logits)) <= 1e-5
+
+    def test_every_supported_causal_lm_calls_the_module_its_guards_sit_on(self):
+        """The guards and the positions hook sit on one module per model (`guards.input_module`): every supported
+        type's causal LM calls it (OPT's calls its base model's decoder directly, so OPT's guards never ran)."""
+        from llm_packing.hook.guards import input_module
+
+        called, not_called = [], []
+        for model_type in supported_model_types():
+            model = tiny_model(model_type, attn_implementation="eager").eval()
+            called.clear()
+            handle = input_module(model).register_forward_pre_hook(lambda *arguments: called.append(1))
+            with torch.no_grad():
+                model(input_ids=torch.randint(3, 50, (1, 6)), use_cache=False)
+            handle.remove()
+            not_called += [] if called else [model_type]
+        assert not_called == []
 
     @pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"])
     def test_a_model_that_calls_no_mask_builder_refuses_packed_batches_until_configured(self, model, model_type):
@@ -371,6 +401,7 @@ def _every_binding(models) -> dict:
         "layer patterns": masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING,
     }
     bound.update({(name, key): value for name, registry in registries.items() for key, value in registry.items()})
+    bound["torch._dynamo.config", "recompile_limit"] = torch._dynamo.config.recompile_limit  # `hook.compile_limits`
     for index, model in enumerate(models):
         for name, module in model.named_modules():
             bound.update({("hooks", index, name, key): hook for key, hook in module._forward_pre_hooks.items()})

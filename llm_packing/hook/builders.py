@@ -25,6 +25,7 @@ from .attention import chunked, mask_functions, varlen
 from .cache import use_cache_fix
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
+from .support.table import ROW_LENGTH_LIMITS
 
 
 # sdpa/eager masks are dense: warn once past this size (one mask; models with sliding layers build two).
@@ -71,6 +72,7 @@ def _wrap_builder(original):
         config = arguments["config"]
         _refuse_unconfigured_model_type(config)
         _refuse_piece_without_sequence_parallelism(attention_mask, arguments["inputs_embeds"])
+        _refuse_rows_past_the_length_limit(config, attention_mask.shape[-1])
         if arguments.get(cache_name) is not None:
             raise ContaminationError(
                 "A packed batch (indexed `attention_mask`) reached a forward with a KV cache "
@@ -124,6 +126,20 @@ def unconfigured_model_type_error(model_type: str | None, layout: str) -> Contam
         "its mixers or rotary embeddings are not patched. Call `llm_packing.configure_packing(model)` on this model "
         "too."
     )
+
+
+def _refuse_rows_past_the_length_limit(config, row_length: int) -> None:
+    """A type whose attention cannot take rows past a config length (`ROW_LENGTH_LIMITS`) failed with a raw shape
+    error on a packed row longer than that, though every document in it was short."""
+    key = (getattr(config, "model_type", None), getattr(config, "_attn_implementation", None))
+    field, reason = ROW_LENGTH_LIMITS.get(key, (None, None))
+    limit = getattr(config, field, None) if field else None
+    if limit is not None and row_length > limit:
+        raise UnsupportedSetupError(
+            f"A packed row of {row_length} tokens reached model_type {config.model_type!r}, whose `{field}` is "
+            f"{limit}: {reason}, so it cannot run longer rows even of short documents. Pack with "
+            f"`max_length` <= {limit}, or use another attention backend (`attn_implementation`)."
+        )
 
 
 def _refuse_piece_without_sequence_parallelism(attention_mask: torch.Tensor, inputs_embeds: torch.Tensor) -> None:

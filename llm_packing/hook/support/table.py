@@ -284,6 +284,13 @@ REFUSED_CONFIG_VALUES: dict[tuple[str, str, object], str] = {
     },
 }
 
+# Supported types whose attention on a backend cannot take a row longer than a config length, whatever its documents:
+# a packed row past it is refused with the limit. (model_type, backend) -> (config field, reason).
+ROW_LENGTH_LIMITS: dict[tuple[str, str], tuple[str, str]] = {
+    ("gpt_neo", "eager"): ("max_position_embeddings", "its eager attention slices a causal buffer of that many tokens "
+                           "by the row's length"),
+}
+
 # Supported types whose sdpa attention the varlen route (llm_packing/hook/attention/varlen.py) cannot express: they
 # keep transformers' dense packed mask on sdpa. Every other supported type takes the varlen route, proven by the parity
 # matrix's route axis.
