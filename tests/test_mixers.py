@@ -354,3 +354,29 @@ def test_document_batches_group_by_length_and_zero_the_padding():
     # A causal running sum restarts at every document.
     sums = batches.run(lambda x: x.cumsum(1), torch.ones(2, 12, 1))[..., 0]
     assert sums.tolist() == [[*range(1, 10), 1, 2, 0], [1, 1, 2, 3, 1, 2, 3, 4, 5, 0, 0, 0]]
+
+
+def test_left_padded_generation_of_a_mixer_reading_positions_is_transformers_own():
+    """Griffin's recurrent block reads its documents from `position_ids`, and generation numbers left padding 0 too:
+    a configured recurrent_gemma refused left-padded `generate` (a "packed batch with a cache") and ran each pad of a
+    left-padded forward as a document of its own (0.086 off unconfigured with a trained-like conv bias). With an
+    ordinary 0/1 mask the positions tell no documents: both are transformers' own again."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("recurrent_gemma", "eager").eval()
+    with torch.no_grad():
+        for block in model.modules():
+            if type(block).__name__ == "RecurrentGemmaRecurrentBlock":
+                block.linear_x.bias.normal_()
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
+    with torch.no_grad():
+        expected = model(input_ids=ids * mask, attention_mask=mask, position_ids=positions).logits
+        generated = model.generate(input_ids=ids * mask, attention_mask=mask, generation_config=config)
+        with packing_configured(model):
+            logits = model(input_ids=ids * mask, attention_mask=mask, position_ids=positions).logits
+            assert torch.equal(model.generate(input_ids=ids * mask, attention_mask=mask, generation_config=config),
+                               generated)
+    assert float((logits - expected)[mask.bool()].abs().max()) <= 1e-6

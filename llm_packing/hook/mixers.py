@@ -183,6 +183,8 @@ def _wrap_forward(forward, call: MixerCall):
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
         documents = arguments.get(documents_name) if documents_name else _model_mask.mask
+        if call.documents == "position_ids" and _is_plain_mask(_model_mask.mask):
+            documents = None  # left padding numbered 0 (generation's, a 0/1 mask's cumsum) is no document start
         module = arguments["self"]
         inner, checkpoint = _checkpointing(forward, module)
         batches = None
@@ -336,6 +338,13 @@ class DocumentBatches:
         batch_size, length = self.shape
         flat = tensor.expand(batch_size, length, *tensor.shape[2:]).reshape(batch_size * length, *tensor.shape[2:])
         return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+
+
+def _is_plain_mask(mask) -> bool:
+    """Whether the model was called with an ordinary 0/1 mask (bool, or integers without a document id above 1)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    return mask.dtype == torch.bool or (is_integer_mask(mask) and not documents_of(mask).is_packed)
 
 
 def _document_batches(documents: torch.Tensor, from_positions: bool = False) -> DocumentBatches | None:

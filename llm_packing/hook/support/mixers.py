@@ -98,11 +98,14 @@ MIXERS: dict[str, tuple[str, dict[str, MixerCall]]] = {
     )}),
 }
 
-# model_type -> the classes (in the MIXERS module) whose calls receive the model's `attention_mask`, for mixers whose
-# documents are read from it (`MixerCall.documents == "model"`). The causal LM as well as the base model: RWKV's causal
-# LM does not hand its mask on. Their `__call__` is wrapped, not `forward`: trainers may bind a model's original
-# `forward` to the instance before the hook is configured (SFTTrainer does), which a class `forward` would miss.
+# model_type -> the classes (in the MIXERS module) whose calls receive the model's `attention_mask`, for mixers
+# whose documents are read from it (`MixerCall.documents == "model"`), and for those that read them from
+# `position_ids`: with an ordinary 0/1 mask the positions tell no documents (generation numbers left padding 0 too).
+# The causal LM as well as the base model: RWKV's causal LM does not hand its mask on. Their `__call__` is wrapped,
+# not `forward`: trainers may bind a model's original `forward` to the instance before the hook is configured
+# (SFTTrainer does), which a class `forward` would miss.
 MASK_RECORDERS: dict[str, tuple[str, ...]] = {
     "rwkv": ("RwkvForCausalLM", "RwkvModel"),
     "xlstm": ("xLSTMForCausalLM", "xLSTMModel"),
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaModel"),
 }
