@@ -98,6 +98,8 @@ def test_one_host_copy_of_the_mask_per_forward(monkeypatch, model_type):
         for forward in (1, 2):
             model(**{key: batch[key].clone() for key in INPUTS})
             assert len(copies) == forward
+        model(**{key: batch[key].clone() for key in INPUTS if key != "position_ids"})  # numbered by the hook
+        assert len(copies) == 3
 
 
 def test_gradients_equal_the_dense_route():

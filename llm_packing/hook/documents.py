@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import PackingTypeError
-from .masks import document_runs, is_integer_mask, validate_document_ids
+from .masks import document_position_ids, document_runs, is_integer_mask, validate_document_ids
 
 
 # Per-document work (varlen attention calls, mixer calls) runs documents of similar lengths side by side, each padded
@@ -93,6 +93,34 @@ class ForwardDocuments:
     def describes(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is this state's mask, or a view of the same elements, unmodified since."""
         return same_elements(self.mask, self.version, tensor)
+
+    def complete_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """
+        This forward's `position_ids` as `DataCollatorWithPacking` writes them: each document's own where none were
+        given, else the given ones with 0 on padding. Recorded as the forward's positions, with a host copy derived
+        from the ones held (the builders' position check copies nothing more).
+
+        Example:
+        ```python
+        >>> import torch
+        >>> from llm_packing.hook.documents import documents_of
+        >>> mask = torch.tensor([[1, 1, 2, 2, 2, 0]])
+        >>> documents_of(mask).complete_positions(None)
+        tensor([[0, 1, 0, 1, 2, 0]])
+        >>> documents_of(mask).complete_positions(torch.tensor([[0, 1, 0, 1, 2, 5]]))
+        tensor([[0, 1, 0, 1, 2, 0]])
+
+        ```
+        """
+        if position_ids is None:
+            completed, host = document_position_ids(self.mask), document_position_ids(torch.from_numpy(self.ids))
+            self._positions = (completed, completed._version, host.numpy(), False)
+            return completed
+        completed = position_ids.masked_fill(self.mask == 0, 0)
+        held = self._positions
+        if held is not None and same_elements(held[0], held[1], position_ids):
+            self._positions = (completed, completed._version, np.where(self.ids == 0, 0, held[2]), False)
+        return completed
 
     def derived(self, key, build: Callable[[], Any]):
         """`build()`, computed on the first call with `key` and kept for this forward: how each part of the hook

@@ -28,7 +28,7 @@ import torch
 from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
 from .documents import documents_of
-from .masks import document_position_ids, is_integer_mask
+from .masks import is_integer_mask
 from .shapes import attention_head_dims
 
 
@@ -55,13 +55,15 @@ def complete_document_positions(model: torch.nn.Module) -> None:
 
 def _complete_document_positions(module, args, kwargs):
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    if not is_integer_mask(mask) or not mask.numel() or not documents_of(mask).is_packed:
+    if not is_integer_mask(mask) or not mask.numel():
         return None
-    if positions is None:
-        return args, {**kwargs, "position_ids": document_position_ids(mask)}
-    if isinstance(positions, torch.Tensor) and positions.shape == mask.shape:
-        return args, {**kwargs, "position_ids": positions.masked_fill(mask == 0, 0)}
-    return None
+    flat = isinstance(positions, torch.Tensor) and positions.shape == mask.shape
+    if positions is not None and not flat:  # 3-D (mRoPE) positions, or a decoding step's: checked where they are read
+        return None
+    documents = documents_of(mask, positions)  # the forward's one host copy, of the positions too (`hook.documents`)
+    if not documents.is_packed:
+        return None
+    return args, {**kwargs, "position_ids": documents.complete_positions(positions)}
 
 
 def refuse_labels_across_documents(model: torch.nn.Module) -> None:
