@@ -11,6 +11,11 @@ attention runs transformers' own `forward` with its temperature off, on a view o
 query by the temperature of its position in its document. The queries there are the projection's output, unchanged
 until the temperature (no rope or norm on those layers), so the result is transformers' own with per-document
 positions. Nothing is stored on the modules: concurrent forwards on threads each use their own positions.
+
+Outside packed batches the rule is the same, read from the `position_ids` the model gets (as `hook.rotary` reads
+them): a left-padded row whose positions start at 0 on its first token takes the temperature of those positions, as
+alone, where transformers takes the row's `arange` (tiny config, `floor_scale` 4: 2.0e-4 in the logits). Without
+`position_ids` both are the row's `arange`.
 """
 
 import functools
