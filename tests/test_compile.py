@@ -32,6 +32,10 @@ CASES = [
     ("qwen2", "eager", "auto"),
     pytest.param("qwen3_next", "sdpa", "auto", marks=pytest.mark.slow),  # gated delta net mixers
     pytest.param("nemotron_h", "sdpa", "auto", marks=pytest.mark.slow),  # Mamba2 mixers
+    # Blocks handed no mask, which read the one the model was called with: RWKV's causal LM does not hand it to its
+    # base model, and a model compiled before configuring skips the class `__call__` that records it (2.3 off eager).
+    pytest.param("rwkv", "eager", "auto", marks=pytest.mark.slow),
+    pytest.param("recurrent_gemma", "sdpa", "auto", marks=pytest.mark.slow),  # documents from `position_ids`
 ]
 
 

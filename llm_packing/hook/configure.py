@@ -136,6 +136,8 @@ def configure_packing(
         cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)
+    if isinstance(model_or_config, torch.nn.Module):
+        mixers.record_model_masks(model_or_config, config.model_type)
     indexers.patch_indexers(config.model_type)
     alibi.patch_alibi(config.model_type)
     temperature.patch_attention_temperature(config.model_type)

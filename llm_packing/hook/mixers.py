@@ -42,7 +42,9 @@ from .support.mixers import MASK_RECORDERS, MIXERS, MixerCall
 _ROW_LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 
 class _ModelMaskPerThread(threading.local):
-    mask = None  # the `attention_mask` of the model call running on this thread (`MASK_RECORDERS`)
+    def __init__(self):
+        self.mask = None  # the `attention_mask` of the model call running on this thread (`MASK_RECORDERS`)
+        self.outer: list = []  # the masks of the calls around it, for the instance hooks (`record_model_masks`)
 
 
 _model_mask = _ModelMaskPerThread()
@@ -95,6 +97,33 @@ def patch_mixers(model_type: str) -> None:
             recorder = registry.ours(_record_mask(cls.__call__, cls.forward))
             setattr(recorder, _RECORDS_MASK, True)
             registry.replace_attribute(cls, "__call__", recorder)
+
+
+def record_model_masks(model: torch.nn.Module, model_type: str) -> None:
+    """Record the mask of every call of `model`'s mask recorders through hooks on the instances too (idempotent;
+    removed by `unconfigure_packing`). The class `__call__` that `patch_mixers` wraps is not always the one that
+    runs: `torch.compile(model)` before configuring binds the model's `__call__` as it was, and RWKV's causal LM does
+    not hand its mask to its base model, so its blocks ran the packed row whole (2.3 off eager in the logits). Module
+    hooks run on every call, compiled or not."""
+    recorders = MASK_RECORDERS.get(model_type, ())
+    for module in model.modules():
+        if type(module).__name__ in recorders:
+            signature = inspect.signature(type(module).forward)
+            registry.add_forward_pre_hook(module, "model mask", functools.partial(_push_mask, signature=signature))
+            registry.add_forward_hook(module, "model mask", _pop_mask, always_call=True)
+
+
+def _push_mask(module, args, kwargs, *, signature):
+    arguments = signature.bind_partial(module, *args, **kwargs).arguments
+    mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
+    _model_mask.outer.append(_model_mask.mask)
+    if mask is not None:
+        _model_mask.mask = mask
+
+
+def _pop_mask(module, args, kwargs, output):
+    if _model_mask.outer:
+        _model_mask.mask = _model_mask.outer.pop()
 
 
 def check_mixers_covered(model) -> None:

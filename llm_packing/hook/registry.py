@@ -112,12 +112,12 @@ def add_forward_pre_hook(module, kind: str, hook) -> None:
         _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True)
 
 
-def add_forward_hook(module, kind: str, hook) -> None:
-    """`module.register_forward_hook(hook, with_kwargs=True)`, once per module and `kind`, removed at
-    [`restore_all`]."""
+def add_forward_hook(module, kind: str, hook, *, always_call: bool = False) -> None:
+    """`module.register_forward_hook(hook, with_kwargs=True, always_call=always_call)`, once per module and `kind`,
+    removed at [`restore_all`]."""
     key = (id(module), kind)
     if key not in _hooks:
-        _hooks[key] = module.register_forward_hook(outside_graphs(hook), with_kwargs=True)
+        _hooks[key] = module.register_forward_hook(outside_graphs(hook), with_kwargs=True, always_call=always_call)
 
 
 def replaced_objects() -> list[tuple[Any, Any]]:
