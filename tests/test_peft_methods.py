@@ -189,3 +189,17 @@ def test_modules_to_save_on_a_hybrids_mixer_packs_exactly():
         assert max(_max_differences(model, batch, attention_mask=batch["attention_mask"])) <= TOLERANCE
         packed, alone = _gradients(model, trainable, batch), _gradients(model, trainable, batch, alone=True)
     assert max(float((a - b).abs().max()) for a, b in zip(packed, alone, strict=True)) <= TOLERANCE
+
+
+def test_a_lora_forward_keeps_one_host_copy(monkeypatch):
+    """The activated-LoRA check runs on every forward of a PEFT model; it reads the mask only for an activated LoRA,
+    so a LoRA model's packed forward still makes one device-to-host copy of the mask and positions."""
+    from llm_packing.hook import documents
+
+    copies = []
+    monkeypatch.setattr(documents, "_to_host", lambda tensor, _f=documents._to_host: copies.append(1) or _f(tensor))
+    model = get_peft_model(tiny_model("llama", "sdpa"), LoraConfig(r=4, target_modules=["q_proj"]))
+    batch = packed_batch()
+    with packing_configured(model), torch.no_grad():
+        model(**{key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")})
+    assert len(copies) == 1

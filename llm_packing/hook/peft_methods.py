@@ -85,11 +85,11 @@ def _refuse_activated_lora(name: str, config) -> None:
 
 
 def _refuse_activated_lora_in_packed_batch(module, args, kwargs):
-    configs = _adapter_configs(module)
-    if not configs:
+    activated = [(name, config) for name, config in _adapter_configs(module)
+                 if getattr(config, "alora_invocation_tokens", None)]
+    if not activated:  # LoRA's every forward: the mask is not read here, so the forward keeps its one host copy
         return
     mask = kwargs.get("attention_mask")
     packed = documents_of(mask).is_packed if is_integer_mask(mask) and mask.numel() else flattened_layout(kwargs)
     if packed:
-        for name, config in configs:
-            _refuse_activated_lora(name, config)
+        _refuse_activated_lora(*activated[0])
