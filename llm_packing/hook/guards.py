@@ -55,8 +55,8 @@ def complete_document_positions(model: torch.nn.Module) -> None:
 
 def _complete_document_positions(module, args, kwargs):
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    if not is_integer_mask(mask) or not mask.numel():
-        return None
+    if not is_integer_mask(mask) or not mask.numel() or _input_length(args, kwargs) != mask.shape[1]:
+        return None  # no indexed mask, or a piece of each row (sequence parallelism: its shard sets the positions)
     flat = isinstance(positions, torch.Tensor) and positions.shape == mask.shape
     if positions is not None and not flat:  # 3-D (mRoPE) positions, or a decoding step's: checked where they are read
         return None
@@ -64,6 +64,14 @@ def _complete_document_positions(module, args, kwargs):
     if not documents.is_packed:
         return None
     return args, {**kwargs, "position_ids": documents.complete_positions(positions)}
+
+
+def _input_length(args, kwargs) -> int | None:
+    """The tokens a row of a forward holds: of its `input_ids` (often positional) or `inputs_embeds`."""
+    for tokens in (kwargs.get("input_ids"), args[0] if args else None, kwargs.get("inputs_embeds")):
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+            return tokens.shape[1]
+    return None
 
 
 def refuse_labels_across_documents(model: torch.nn.Module) -> None:
