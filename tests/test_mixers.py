@@ -380,3 +380,19 @@ def test_left_padded_generation_of_a_mixer_reading_positions_is_transformers_own
             assert torch.equal(model.generate(input_ids=ids * mask, attention_mask=mask, generation_config=config),
                                generated)
     assert float((logits - expected)[mask.bool()].abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["rwkv", "xlstm"])
+def test_the_recorded_mask_ends_with_its_call(model_type):
+    """The mask a model call records (a class `__call__` wrapper and instance hooks) is gone once the call returns or
+    raises: a stale one of an earlier batch's shape reached the blocks of a later call made without a mask."""
+    model = tiny_model(model_type, "eager").eval()
+    batch = packed_batch()
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    with packing_configured(model), torch.no_grad():
+        model(**inputs, use_cache=False)
+        assert (mixers._model_mask.mask, mixers._model_mask.outer) == (None, [])
+        with pytest.raises(ContaminationError):
+            model(**inputs, use_cache=True)
+        assert (mixers._model_mask.mask, mixers._model_mask.outer) == (None, [])
+        model(input_ids=batch["input_ids"][:1], use_cache=False)

@@ -64,7 +64,7 @@ class _Replacement:
 
 _replacements: list[_Replacement] = []
 _swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
-_hooks: dict[tuple[int, str], Any] = {}  # (id(module), kind) -> the handle of its forward (pre-)hook
+_hooks: dict[tuple[int, str, str], Any] = {}  # (id(module), kind, "pre" or "post") -> its forward (pre-)hook's handle
 _on_import: dict[str, Callable[[], None]] = {}  # module name -> the patch to run once that module has run
 _configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
 
@@ -107,7 +107,7 @@ def replacement_for(original: Callable):
 def add_forward_pre_hook(module, kind: str, hook) -> None:
     """`module.register_forward_pre_hook(hook, with_kwargs=True)`, once per module and `kind`, removed at
     [`restore_all`]."""
-    key = (id(module), kind)
+    key = (id(module), kind, "pre")
     if key not in _hooks:
         _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True)
 
@@ -115,7 +115,7 @@ def add_forward_pre_hook(module, kind: str, hook) -> None:
 def add_forward_hook(module, kind: str, hook, *, always_call: bool = False) -> None:
     """`module.register_forward_hook(hook, with_kwargs=True, always_call=always_call)`, once per module and `kind`,
     removed at [`restore_all`]."""
-    key = (id(module), kind)
+    key = (id(module), kind, "post")
     if key not in _hooks:
         _hooks[key] = module.register_forward_hook(outside_graphs(hook), with_kwargs=True, always_call=always_call)
 
