@@ -21,7 +21,7 @@ import sys
 from . import registry
 from .builders import unconfigured_model_type_error
 from .guards import flattened_layout
-from .masks import is_integer_mask
+from .masks import is_indexed_packed_mask
 from .support.architectures import calls_no_mask_builder, causal_lm_modeling_modules
 
 
@@ -72,7 +72,6 @@ def _refusing_unconfigured_packing(call, forward):
 
 
 def _packed_layout(arguments: dict) -> str | None:
-    mask = arguments.get("attention_mask")
-    if is_integer_mask(mask) and mask.numel() and bool(mask.max() > 1):
+    if is_indexed_packed_mask(arguments.get("attention_mask")):
         return "indexed `attention_mask`"
     return flattened_layout(arguments)

@@ -67,11 +67,18 @@ def _complete_document_positions(module, args, kwargs):
 
 
 def _input_length(args, kwargs) -> int | None:
-    """The tokens a row of a forward holds: of its `input_ids` (often positional) or `inputs_embeds`."""
-    for tokens in (kwargs.get("input_ids"), args[0] if args else None, kwargs.get("inputs_embeds")):
-        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
-            return tokens.shape[1]
-    return None
+    """The tokens a row of a forward holds."""
+    _, tokens = _input_tensor(args, kwargs)
+    return tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None
+
+
+def _input_tensor(args, kwargs) -> tuple[str, torch.Tensor | None]:
+    """A forward's `input_ids` (often passed positionally), else its `inputs_embeds`, with the name it came under."""
+    for name, tokens in (("input_ids", kwargs.get("input_ids")), ("input_ids", args[0] if args else None),
+                         ("inputs_embeds", kwargs.get("inputs_embeds"))):
+        if isinstance(tokens, torch.Tensor):
+            return name, tokens
+    return "inputs", None
 
 
 def refuse_labels_across_documents(model: torch.nn.Module) -> None:
@@ -249,14 +256,12 @@ def _tells_documents(kwargs, mask) -> bool:
 
 
 def _inputs(args, kwargs) -> str:
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(input_ids, torch.Tensor):
-        return f"input_ids of shape {tuple(input_ids.shape)}"
-    embeds = kwargs.get("inputs_embeds")
-    if not isinstance(embeds, torch.Tensor):
+    name, tokens = _input_tensor(args, kwargs)
+    if tokens is None:
         return "inputs of unknown shape"
+    described = f"{name} of shape {tuple(tokens.shape)}"
     # PEFT's prompt tuning and p-tuning pass embeddings with their virtual tokens, and drop `position_ids`.
-    return f"inputs_embeds of shape {tuple(embeds.shape)}; PEFT's prompt learning cannot be packed, use LoRA"
+    return described if name == "input_ids" else f"{described}; PEFT's prompt learning cannot be packed, use LoRA"
 
 
 def _describe(mask) -> str:

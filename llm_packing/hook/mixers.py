@@ -114,8 +114,7 @@ def record_model_masks(model: torch.nn.Module, model_type: str) -> None:
 
 
 def _push_mask(module, args, kwargs, *, signature):
-    arguments = signature.bind_partial(module, *args, **kwargs).arguments
-    mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
+    mask = _mask_of_call(signature, (module, *args), kwargs)
     _model_mask.outer.append(_model_mask.mask)
     if mask is not None:
         _model_mask.mask = mask
@@ -188,8 +187,7 @@ def _record_mask(call, forward):
 
     @functools.wraps(call)
     def call_recording_mask(*args, **kwargs):
-        arguments = signature.bind_partial(*args, **kwargs).arguments
-        mask = arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
+        mask = _mask_of_call(signature, args, kwargs)
         previous = _model_mask.mask
         _model_mask.mask = previous if mask is None else mask
         try:
@@ -198,6 +196,12 @@ def _record_mask(call, forward):
             _model_mask.mask = previous
 
     return call_recording_mask
+
+
+def _mask_of_call(signature: inspect.Signature, args, kwargs):
+    """The `attention_mask` of a model call (`args` with the module first), by name or in its `**kwargs`."""
+    arguments = signature.bind_partial(*args, **kwargs).arguments
+    return arguments.get("attention_mask", arguments.get(_var_keyword(signature), {}).get("attention_mask"))
 
 
 def _wrap_forward(forward, call: MixerCall):

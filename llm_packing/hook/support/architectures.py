@@ -93,12 +93,12 @@ def _modeling_file(model_type: str) -> str | None:
     return None
 
 
-@functools.cache
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as handle:
         return handle.read()
 
 
+@functools.cache
 def _modeling_source(model_type: str) -> str | None:
     """Source text of the modeling module defining `model_type`'s causal LM class, or None if not found."""
     path = _modeling_file(model_type)
@@ -109,6 +109,7 @@ def _calls_no_builder(source: str) -> bool:
     return not any(re.search(rf"\b{builder}\b", source) for builder in MASK_BUILDER_NAMES)
 
 
+@functools.cache
 def causal_lm_modeling_modules() -> tuple[str, ...]:
     """The modeling modules that hold the causal LM classes of the installed transformers, by transformers' naming
     (`transformers.models.<module>.modeling_<module>`), without reading or importing them."""
