@@ -103,7 +103,10 @@ class Section:
     accumulation: int
     configurations: tuple[str, ...]
     profile: tuple[str, ...] = ()
-    flags: tuple[str, ...] = ()
+    # Gradient checkpointing (as `Trainer`'s `gradient_checkpointing=True`) on a GPU with less memory than this: the
+    # 1.5B shape's activations at 16,384 tokens a micro-batch fill about 90 GiB (estimated), more than an H100 holds,
+    # and recomputation is not counted in MFU, so a GPU that holds them runs without it.
+    checkpoint_below_gib: float = 0.0
     row_s: float = 12.0  # estimated per configuration on an H100: process start, warm-up, 3 steps
     setup_s: float = 10.0  # documents, and FlashAttention 4 compiling a new head dimension
 
@@ -115,10 +118,13 @@ class Section:
 # Added to a compiled row's estimate: inductor compiling the model on the first layout and again, with dynamic shapes,
 # on the second (a guess: no compiled row has run on a GPU yet).
 COMPILE_S = 150.0
-# In priority order. First the one bar still open (issue 36: the 1.5B shape at 16k tokens a step, 35% MFU on an H100,
-# 29.7% measured on 2026-11-27 with FlashAttention 4), its compiled row last so that a slow compile costs no other
-# row; then the sdpa routes at both lengths, which set `auto`'s bounds for the current varlen kernel.
+# In priority order. First the one bar still open (issue 36: the 1.5B shape at 16k tokens a step, 35% MFU, 29.7%
+# measured on 2026-11-27 with FlashAttention 4 at rows of 4,096): rows of 16,384, then of 4,096 with its compiled row
+# last so that a slow compile costs no other row; then the 0.5B shape, whose sdpa routes set `auto`'s bounds for
+# head dim 64.
 SECTIONS = (
+    Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1, (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{TRL}|{FA4}"),
+            profile=(f"{OURS}|sdpa",), checkpoint_below_gib=120, row_s=28, setup_s=18),
     Section("1.5b-4096", "1.5b", 4096, "conversations", 1, 4,
             (f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|sdpa",
              f"{COMPILED}|{FA4}"),
@@ -130,8 +136,6 @@ SECTIONS = (
     Section("0.5b-16384", "0.5b", 16384, "lognormal", 1, 1,
             (f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{TRL}|sdpa", f"{PADDED}|{FA4}"),
             profile=(f"{OURS}|sdpa",), row_s=13, setup_s=18),
-    Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1, (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{TRL}|{FA4}"),
-            flags=("--gradient-checkpointing",), row_s=28, setup_s=18),
 )
 
 
@@ -157,12 +161,16 @@ def resolve(configurations, section: "Section", dense_at) -> list[str]:
     return [configuration.replace(OTHER_ROUTE, other) for configuration in configurations]
 
 
-def throughput_command(section: Section, output: str, dense_at, budget_s: float | None) -> list[str]:
+def throughput_command(section: Section, output: str, dense_at, budget_s: float | None,
+                       memory_gib: float | None) -> list[str]:
+    """`memory_gib`: the GPU's memory, for `Section.checkpoint_below_gib` (None: unknown, checkpointing as needed)."""
+    checkpointing = section.checkpoint_below_gib > (memory_gib if memory_gib is not None else 0.0)
     command = [sys.executable, os.path.join(BENCHMARKS, "train_throughput.py"), "--model", section.model, "--also",
                "--device", DEVICE, "--dtype", "bf16", "--max-length", str(section.max_length), "--rows",
                str(section.rows), "--accumulation", str(section.accumulation), "--steps", "3", "--rounds", "1",
                "--warmup", "1", "--datasets", section.dataset, "--threads", "4", "--no-plot", "--row-timeout-s",
-               str(int(max(180, 2 * max(section.row_estimates_s())))), "--output", output, *section.flags, "--only",
+               str(int(max(180, 2 * max(section.row_estimates_s())))), "--output", output,
+               *(["--gradient-checkpointing"] if checkpointing else []), "--only",
                *resolve(section.configurations, section, dense_at)]
     if section.profile:
         command += ["--profile", *resolve(section.profile, section, dense_at)]
@@ -251,7 +259,7 @@ def print_plan(args, why: str | None) -> int:
     for section in chosen_sections(args):
         elapsed += estimate_s(section)
         fits = "fits" if elapsed <= args.budget_s else "over --budget-s: skipped"
-        command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None)[1:]
+        command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None, None)[1:]
         print(f"- throughput {section.name}, estimated {estimate_s(section):.0f} s (cumulative {elapsed:.0f} s, "
               f"{fits}): python {shlex.join([os.path.relpath(command[0], ROOT), *command[1:]])}")
         for configuration in resolve(section.configurations, section, dense_at):
@@ -383,12 +391,15 @@ def run_compile_check(path: str, timeout: float) -> dict:
 def run_throughput(args, log, deadline: float, gpu: str) -> None:
     """The sections in order, each `train_throughput.py` bounded by what is left of the budget; each section's report
     appended to gpu_check_throughput.md as it finishes, its profile tables to gpu_profile_<device>.md."""
+    import torch
+
     from llm_packing.hook.attention.varlen import auto_takes_dense
 
     running = os.path.join(args.out, "gpu_check_throughput_running")
     combined = os.path.join(args.out, "gpu_check_throughput.md")
     profiles = os.path.join(args.out, f"gpu_profile_{device_slug(gpu)}.md")
     dense_at = lambda section: auto_takes_dense(DEVICE, section.max_length, head_dim(section.model))  # noqa: E731
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     for section in chosen_sections(args):
         remaining = deadline - time.monotonic()
         if remaining < section.row_s:
@@ -396,7 +407,7 @@ def run_throughput(args, log, deadline: float, gpu: str) -> None:
                              f"{section.row_s:.0f} s (rerun with `--sections {section.name} --skip-exactness`)\n")
             log(f"throughput {section.name}: skipped, {remaining:.0f} s left")
             continue
-        command = throughput_command(section, running, dense_at, remaining)
+        command = throughput_command(section, running, dense_at, remaining, memory_gib)
         log(f"throughput {section.name}: {shlex.join(command[1:])}")
         started = time.monotonic()
         process = run_bounded(command, remaining + 60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -58,14 +58,19 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
     assert "- exactness, compiled packed steps: python benchmarks/gpu_compile_check.py --json <file>" in lines
     sections = [line for line in lines if line.startswith("- throughput ")]
     assert [line.split(",")[0] for line in sections] == [
-        "- throughput 1.5b-4096", "- throughput 0.5b-4096", "- throughput 0.5b-16384", "- throughput 1.5b-16384"]
+        "- throughput 1.5b-16384", "- throughput 1.5b-4096", "- throughput 0.5b-4096", "- throughput 0.5b-16384"]
     assert all("python benchmarks/train_throughput.py --model " in line and "--device cuda --dtype bf16" in line
                for line in sections)
-    # 35 s of setup + 5 rows x 18 s + the compiled row's 18 s + 150 s of compiling, after 120 s of exactness checks.
-    assert "estimated 293 s (cumulative 413 s, fits)" in sections[0] and "over --budget-s: skipped" in sections[-1]
-    assert "--accumulation 4" in sections[0] and "--max-length 16384" in sections[2]
-    assert "--row-timeout-s 336" in sections[0]  # twice the compiled row's estimate
-    assert "--gradient-checkpointing" in sections[-1] and "--profile 'llm_packing rows|sdpa'" in sections[1]
+    # 18 s of setup + 3 rows x 28 s after 120 s of exactness checks; then 35 s of setup + 5 rows x 18 s + the compiled
+    # row's 18 s + 150 s of compiling.
+    assert "estimated 102 s (cumulative 222 s, fits)" in sections[0]
+    assert "estimated 293 s (cumulative 515 s, over --budget-s: skipped)" in sections[1]
+    assert "--accumulation 4" in sections[1] and "--max-length 16384" in sections[0]
+    assert "--row-timeout-s 336" in sections[1]  # twice the compiled row's estimate
+    assert "--profile 'llm_packing rows|sdpa'" in sections[0] and "--profile 'llm_packing rows|sdpa'" in sections[2]
+    # The GPU's memory is unknown in a dry run: the 1.5B shape at 16,384 is listed with gradient checkpointing.
+    assert "--gradient-checkpointing" in sections[0]
+    assert not any("--gradient-checkpointing" in line for line in sections[1:])
     rows = [line.strip() for line in lines if line.startswith("  - row ")]
     fa4, trl, ours, padded = "flash_attention_4", "TRL packing (bfd + padding-free)", "llm_packing rows", \
         "padded, group_by_length"
@@ -78,6 +83,18 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
         f"{ours}|{fa4}", f"{trl}|{fa4}", f"{ours}|sdpa", f"{ours}, dense mask|sdpa", f"{trl}|sdpa",
         f"{ours}, compiled|{fa4}"]
     assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows and f"- row 1.5b-16384: {trl}|{fa4}" in rows
+
+
+def test_gradient_checkpointing_only_where_the_activations_do_not_fit():
+    gpu_check = load("gpu_check")
+    section = next(section for section in gpu_check.SECTIONS if section.name == "1.5b-16384")
+    command = lambda memory_gib: gpu_check.throughput_command(  # noqa: E731
+        section, "out", lambda _: False, None, memory_gib)
+    assert "--gradient-checkpointing" in command(79.2)  # an H100
+    assert "--gradient-checkpointing" not in command(139.8)  # an H200: no recomputation, MFU as it is
+    assert "--gradient-checkpointing" in command(None)
+    other = next(section for section in gpu_check.SECTIONS if section.name == "1.5b-4096")
+    assert "--gradient-checkpointing" not in gpu_check.throughput_command(other, "out", lambda _: False, None, 79.2)
 
 
 def test_bundle_install_is_pip_from_the_folder_and_archives_into_site_packages(tmp_path):
