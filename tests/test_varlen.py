@@ -153,7 +153,7 @@ def test_torch_flash_varlen_op_with_a_cpu_stand_in(monkeypatch):
     batch = packed_batch()
     with packing_configured(model), torch.no_grad():
         expected = model(**{key: batch[key] for key in INPUTS}).logits
-        monkeypatch.setattr(varlen, "_flash_varlen_runs", lambda *args: True)
+        monkeypatch.setattr(varlen, "_flash_varlen_dtype", lambda *args: torch.float32)
         monkeypatch.setattr(varlen, "flash_varlen_op", lambda: stand_in)
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
@@ -167,22 +167,61 @@ def test_torch_flash_varlen_op_with_a_cpu_stand_in(monkeypatch):
 
 
 def test_the_flash_op_runs_only_where_its_kernel_does(monkeypatch):
-    """CUDA, half precision, head dims in multiples of 8 up to 256, sm80 or newer, and a torch whose op takes a
-    sliding window; elsewhere the per-document SDPA route runs."""
+    """CUDA, half precision (the inputs' own or autocast's), head dims in multiples of 8 up to 256, sm80 or newer, and
+    a torch whose op takes a sliding window; elsewhere the per-document SDPA route runs."""
     def tensor(dim=64, dtype=torch.bfloat16, is_cuda=True):  # what the check reads
         return types.SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 2, 4, dim),
-                                     device=types.SimpleNamespace(index=0))
+                                     device=types.SimpleNamespace(index=0, type="cuda" if is_cuda else "cpu"))
 
+    runs = lambda query, dropout=0.0: varlen._flash_varlen_dtype(query, query, query, dropout)  # noqa: E731
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
-    assert varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
+    assert runs(tensor()) == torch.bfloat16 and runs(tensor(dtype=torch.float16)) == torch.float16
     for query in (tensor(is_cuda=False), tensor(dtype=torch.float32), tensor(dim=20), tensor(dim=512)):
-        assert not varlen._flash_varlen_runs(query, query, query, 0.0)
-    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.1)  # dropout
+        assert runs(query) is None
+    assert runs(tensor(), dropout=0.1) is None
+    # Under autocast sdpa computes in autocast's dtype, whatever its inputs' (float64 aside): so does the op.
+    autocast = {"cuda": torch.bfloat16}
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: device_type in autocast)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: autocast[device_type])
+    assert runs(tensor(dtype=torch.float32)) == torch.bfloat16 and runs(tensor(dtype=torch.float16)) == torch.bfloat16
+    assert runs(tensor(dtype=torch.float64)) is None and runs(tensor(dtype=torch.float32, is_cuda=False)) is None
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: False)  # a T4, or ROCm
-    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
+    assert runs(tensor()) is None
     monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
     monkeypatch.setattr(varlen, "flash_varlen_op", lambda: None)  # a torch whose op has no sliding window
-    assert not varlen._flash_varlen_runs(tensor(), tensor(), tensor(), 0.0)
+    assert runs(tensor()) is None
+
+
+def test_under_autocast_the_flash_op_gets_every_input_in_autocasts_dtype(monkeypatch):
+    """`Trainer(bf16=True)` on float32 weights: the rotary embedding hands attention float32 query and key and a
+    bfloat16 value. The op then gets all three in bfloat16 (CPU autocast and a stand-in of the op here, the same
+    code as on CUDA), as sdpa would, and the packed logits equal the per-document route's under the same autocast."""
+    calls, dtypes = [], []
+    stand_in = _flash_op_stand_in(calls)
+
+    def recording(query, key, value, *args, **kwargs):
+        dtypes.append((query.dtype, key.dtype, value.dtype))
+        return stand_in(query, key, value, *args, **kwargs)
+
+    inputs, choose = [], varlen._flash_varlen_dtype
+
+    def choosing(query, key, value, dropout):
+        inputs.append((query.dtype, key.dtype, value.dtype))
+        return choose(query, key, value, dropout)
+
+    model = tiny_model("llama", "sdpa")
+    batch = packed_batch()
+    with packing_configured(model), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**{key: batch[key] for key in INPUTS}).logits
+        monkeypatch.setattr(varlen, "_on_flash_capable_gpu", lambda query: True)
+        monkeypatch.setattr(varlen, "flash_varlen_op", lambda: recording)
+        monkeypatch.setattr(varlen, "_flash_varlen_dtype", choosing)
+        logits = model(**{key: batch[key] for key in INPUTS}).logits
+    assert set(inputs) == {(torch.float32, torch.float32, torch.bfloat16)}
+    assert len(calls) == model.config.num_hidden_layers
+    assert set(dtypes) == {(torch.bfloat16,) * 3}
+    real = batch["attention_mask"] > 0
+    assert (logits.float() - expected.float())[real].abs().max() <= 2e-2  # bfloat16 computed twice, not a leak
 
 
 def test_this_torch_has_the_flash_op_with_autograd():

@@ -193,10 +193,11 @@ def packed_sdpa_attention(
         )
     flat = [tensor.transpose(1, 2).reshape(batch_size * length, tensor.shape[1], tensor.shape[3])
             for tensor in (query, key, value)]
-    if _flash_varlen_runs(query, key, value, dropout):
+    flash_dtype = _flash_varlen_dtype(query, key, value, dropout)
+    if flash_dtype is not None:
         # The whole batch in place, padding runs as segments of their own: no gather, no scatter. Padding outputs
         # are then attention within the padding run, not zeros; nothing real attends to them.
-        output = _flash_varlen_attention(flat, mask, scaling)
+        output = _flash_varlen_attention([tensor.to(flash_dtype) for tensor in flat], mask, scaling)
         return output.view(batch_size, length, heads, value.shape[3])
     output = torch.cat([
         _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
@@ -226,14 +227,32 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
     return output.transpose(1, 2)
 
 
-def _flash_varlen_runs(query, key, value, dropout: float) -> bool:
-    """torch's FlashAttention 2 varlen op runs here: CUDA (not ROCm) on an Ampere or newer GPU, half precision, no
-    dropout, equal head dims up to 256 in multiples of 8, and a torch whose op takes a sliding window."""
-    return (
-        query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None:
+    """The half-precision dtype in which torch's FlashAttention 2 varlen op runs this call, or None where it does not
+    run. It runs on CUDA (not ROCm) on an Ampere or newer GPU, without dropout, for equal head dims up to 256 in
+    multiples of 8, with a torch whose op takes a sliding window, in the dtype sdpa itself would run: the inputs' own,
+    or autocast's. Under `Trainer`'s `bf16=True` with float32 weights the rotary embedding leaves query and key in
+    float32 and value in bfloat16; sdpa would run all three in bfloat16, and so does the op."""
+    dtype = _sdpa_dtype(query)
+    runs = (
+        dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
         and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 and query.shape[-1] % 8 == 0
-        and flash_varlen_op() is not None and _flash_capable(query.device.index)
+        and flash_varlen_op() is not None and _on_flash_capable_gpu(query)
     )
+    return dtype if runs else None
+
+
+def _sdpa_dtype(query) -> torch.dtype:
+    """The dtype `scaled_dot_product_attention` computes in for this query: autocast's where autocast is on for its
+    device (it casts every floating input but float64), else the query's own."""
+    device_type = query.device.type
+    if query.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
+
+
+def _on_flash_capable_gpu(query) -> bool:
+    return query.is_cuda and _flash_capable(query.device.index)
 
 
 @functools.cache
