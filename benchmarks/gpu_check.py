@@ -35,17 +35,16 @@ on first use; its disk cache is on (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`),
    AdamW), 16k tokens a step (gradient accumulation at 4,096), 3 measured steps after one warm-up, one process per
    configuration: padded (`group_by_length`), TRL's packing (bfd + padding-free) and ours, each on sdpa and
    FlashAttention 4, ours on both sdpa routes, and ours compiled (`torch.compile(model)`, rows padded to one length);
-   columns real tokens/s, MFU, peak GPU memory. Sections in priority order (`SECTIONS`: the 1.5B shape first, for
-   the MFU bar still open); `--budget-s` skips what would start after it, the report names what was skipped.
+   columns real tokens/s, MFU, peak GPU memory. Sections in priority order (`SECTIONS`: the 1.5B shape first, with
+   both sdpa routes); `--budget-s` skips what would start after it, the report names what was skipped.
 
-Estimated for an H100 (assumed: about 8 s to start a configuration's process; 0.1-0.35 s per 4,096 tokens at 0.5B,
-about 3x that at 1.5B, as the H200 stepped on 2026-11-27, when rows took 18-24 s each; FlashAttention 4 compiling
-each head dimension's kernels once, about 25 s; a compiled row 150 s more, a guess): exactness 120 s (in parallel),
-then the sections as `--dry-run` lists them, cumulative: 1.5b-4096 about 413 s, 0.5b-4096 679 s, 0.5b-16384 775 s,
-1.5b-16384 877 s. With `--budget-s 470` the exactness checks and the 1.5B section fit; the rest follows in a third
-call (`--sections 0.5b-4096 0.5b-16384 1.5b-16384 --skip-exactness`, on the same warm machine, or after both installs
-again on a fresh one). MFU divides by the H100 SXM's dense bf16 peak, 989 TFLOP/s, which the H200 shares; the report
-names the device.
+Estimated from the H200's run on 2026-11-27: exactness 190 s (all checks at once), then 15-20 s of setup per section
+(documents, FlashAttention 4 compiling a new head dimension) and about 30 s per configuration (process start, warm-up,
+3 steps; 24-39 s measured), a compiled row 150 s more (a guess: no compiled row has run on a GPU yet). `--dry-run`
+lists the sections cumulatively: with `--budget-s 470` the exactness checks, the 1.5B shape at 16,384 and the first
+rows at 4,096 fit; the rest follows in further calls on the same warm machine (`--sections 1.5b-4096 0.5b-4096
+--skip-exactness`, and so on), each row skipped by the budget named in the report. MFU divides by the H100 SXM's dense
+bf16 peak, 989 TFLOP/s, which the H200 shares; the report names the device.
 """
 
 import argparse
@@ -87,7 +86,9 @@ OURS, DENSE, VARLEN, COMPILED = ("llm_packing rows", "llm_packing rows, dense ma
                                  "llm_packing rows, compiled")
 OTHER_ROUTE = "<the sdpa route auto does not take>"
 DEVICE = "cuda"  # of every check and row (a CPU rehearsal of the CUDA path sets "cpu")
-EXACTNESS_S = 120  # all checks at once: the slowest, flex_attention and FlashAttention 4 compiling, sets the time
+# All exactness checks at once: the slowest (flex_attention and FlashAttention 4 compiling) sets the time; 190 s on
+# the H200 on 2026-11-27.
+EXACTNESS_S = 190
 PROCESS_TIMEOUT_S = 200
 
 
@@ -104,11 +105,11 @@ class Section:
     configurations: tuple[str, ...]
     profile: tuple[str, ...] = ()
     # Gradient checkpointing (as `Trainer`'s `gradient_checkpointing=True`) on a GPU with less memory than this: the
-    # 1.5B shape's activations at 16,384 tokens a micro-batch fill about 90 GiB (estimated), more than an H100 holds,
-    # and recomputation is not counted in MFU, so a GPU that holds them runs without it.
+    # 1.5B shape at 16,384 tokens a micro-batch peaked at 72-75 GiB allocated on the H200 (2026-11-27), too close to
+    # an H100's 79 GiB; recomputation is not counted in MFU, so a GPU that holds the step runs without it.
     checkpoint_below_gib: float = 0.0
-    row_s: float = 12.0  # estimated per configuration on an H100: process start, warm-up, 3 steps
-    setup_s: float = 10.0  # documents, and FlashAttention 4 compiling a new head dimension
+    row_s: float = 30.0  # estimated per configuration: process start, warm-up, 3 steps (24-39 s on an H200)
+    setup_s: float = 15.0  # documents, and FlashAttention 4 compiling a new head dimension
 
     def row_estimates_s(self) -> list[float]:
         """Each configuration's estimated seconds: a compiled one adds its compiles (`COMPILE_S`)."""
@@ -118,24 +119,26 @@ class Section:
 # Added to a compiled row's estimate: inductor compiling the model on the first layout and again, with dynamic shapes,
 # on the second (a guess: no compiled row has run on a GPU yet).
 COMPILE_S = 150.0
-# In priority order. First the one bar still open (issue 36: the 1.5B shape at 16k tokens a step, 35% MFU, 29.7%
-# measured on 2026-11-27 with FlashAttention 4 at rows of 4,096): rows of 16,384, then of 4,096 with its compiled row
-# last so that a slow compile costs no other row; then the 0.5B shape, whose sdpa routes set `auto`'s bounds for
-# head dim 64.
+# In priority order. First the 1.5B shape, where issue 36's bars were measured (35% MFU at 16k tokens a step: 36.9%
+# on an H200 on 2026-11-27 with FlashAttention 4 at rows of 16,384), with both sdpa routes: torch's FlashAttention 2
+# varlen op had not yet run in a throughput row (autocast sent the route to its fallback then). At 4,096 the compiled
+# row comes last, so that a slow compile costs no other row; then the 0.5B shape, whose sdpa routes set `auto`'s
+# bounds for head dim 64.
 SECTIONS = (
-    Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1, (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{TRL}|{FA4}"),
-            profile=(f"{OURS}|sdpa",), checkpoint_below_gib=120, row_s=28, setup_s=18),
+    Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1,
+            (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|{FA4}", f"{TRL}|sdpa"),
+            profile=(f"{OURS}|sdpa",), checkpoint_below_gib=120, row_s=31, setup_s=18),
     Section("1.5b-4096", "1.5b", 4096, "conversations", 1, 4,
             (f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|sdpa",
              f"{COMPILED}|{FA4}"),
-            profile=(f"{OURS}|{FA4}",), row_s=18, setup_s=35),
+            profile=(f"{OTHER_ROUTE}|sdpa",), row_s=30, setup_s=20),
     Section("0.5b-4096", "0.5b", 4096, "conversations", 2, 2,
             (f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}", f"{TRL}|sdpa", f"{TRL}|{FA4}", f"{PADDED}|sdpa",
              f"{PADDED}|{FA4}", f"{COMPILED}|sdpa"),
-            profile=(f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa"), setup_s=20),
+            profile=(f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa"), row_s=29, setup_s=15),
     Section("0.5b-16384", "0.5b", 16384, "lognormal", 1, 1,
             (f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{TRL}|sdpa", f"{PADDED}|{FA4}"),
-            profile=(f"{OURS}|sdpa",), row_s=13, setup_s=18),
+            profile=(f"{OURS}|sdpa",), row_s=25, setup_s=15),
 )
 
 

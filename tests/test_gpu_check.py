@@ -61,28 +61,31 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
         "- throughput 1.5b-16384", "- throughput 1.5b-4096", "- throughput 0.5b-4096", "- throughput 0.5b-16384"]
     assert all("python benchmarks/train_throughput.py --model " in line and "--device cuda --dtype bf16" in line
                for line in sections)
-    # 18 s of setup + 3 rows x 28 s after 120 s of exactness checks; then 35 s of setup + 5 rows x 18 s + the compiled
-    # row's 18 s + 150 s of compiling.
-    assert "estimated 102 s (cumulative 222 s, fits)" in sections[0]
-    assert "estimated 293 s (cumulative 515 s, over --budget-s: skipped)" in sections[1]
+    # 18 s of setup + 5 rows x 31 s after 190 s of exactness checks; then 20 s of setup + 5 rows x 30 s + the
+    # compiled row's 30 s + 150 s of compiling.
+    assert "estimated 173 s (cumulative 363 s, fits)" in sections[0]
+    assert "estimated 350 s (cumulative 713 s, over --budget-s: skipped)" in sections[1]
     assert "--accumulation 4" in sections[1] and "--max-length 16384" in sections[0]
-    assert "--row-timeout-s 336" in sections[1]  # twice the compiled row's estimate
-    assert "--profile 'llm_packing rows|sdpa'" in sections[0] and "--profile 'llm_packing rows|sdpa'" in sections[2]
+    assert "--row-timeout-s 360" in sections[1]  # twice the compiled row's estimate
+    assert "--profile 'llm_packing rows|sdpa'" in sections[0]
+    assert "--profile 'llm_packing rows, varlen route|sdpa'" in sections[1]
     # The GPU's memory is unknown in a dry run: the 1.5B shape at 16,384 is listed with gradient checkpointing.
     assert "--gradient-checkpointing" in sections[0]
     assert not any("--gradient-checkpointing" in line for line in sections[1:])
     rows = [line.strip() for line in lines if line.startswith("  - row ")]
     fa4, trl, ours, padded = "flash_attention_4", "TRL packing (bfd + padding-free)", "llm_packing rows", \
         "padded, group_by_length"
-    # At 4,096 tokens `auto` takes the dense route on CUDA for head dim 64 (0.5B), so the other sdpa row is the varlen
-    # route; for head dim 128 (1.5B) and at 16,384 it is the other way round.
+    # At 4,096 tokens `auto` takes the dense route on CUDA for head dims 64 (0.5B) and 128 (1.5B), so the other sdpa
+    # row is the varlen route; at 16,384 it is the other way round.
     assert [row.split(": ", 1)[1] for row in rows if row.startswith("- row 0.5b-4096")] == [
         f"{ours}|sdpa", f"{ours}, varlen route|sdpa", f"{ours}|{fa4}", f"{trl}|sdpa", f"{trl}|{fa4}",
         f"{padded}|sdpa", f"{padded}|{fa4}", f"{ours}, compiled|sdpa"]
     assert [row.split(": ", 1)[1] for row in rows if row.startswith("- row 1.5b-4096")] == [
-        f"{ours}|{fa4}", f"{trl}|{fa4}", f"{ours}|sdpa", f"{ours}, dense mask|sdpa", f"{trl}|sdpa",
+        f"{ours}|{fa4}", f"{trl}|{fa4}", f"{ours}|sdpa", f"{ours}, varlen route|sdpa", f"{trl}|sdpa",
         f"{ours}, compiled|{fa4}"]
-    assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows and f"- row 1.5b-16384: {trl}|{fa4}" in rows
+    assert [row.split(": ", 1)[1] for row in rows if row.startswith("- row 1.5b-16384")] == [
+        f"{ours}|{fa4}", f"{ours}|sdpa", f"{ours}, dense mask|sdpa", f"{trl}|{fa4}", f"{trl}|sdpa"]
+    assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows
 
 
 def test_gradient_checkpointing_only_where_the_activations_do_not_fit():

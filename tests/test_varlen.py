@@ -238,7 +238,7 @@ def test_this_torch_has_the_flash_op_with_autograd():
 
 def test_auto_takes_the_dense_route_where_it_is_faster(monkeypatch):
     """`attention_route="auto"` builds transformers' dense mask where `auto_takes_dense` says so (on CUDA for rows up
-    to 4,096 tokens and heads up to 64 wide; a CPU batch stands in for one here), and the varlen layout elsewhere;
+    to 4,096 tokens and heads up to 128 wide; a CPU batch stands in for one here), and the varlen layout elsewhere;
     both exact. The rule is asked with the batch's device and row length and the model's head dim."""
     model = tiny_model("qwen2", "sdpa")
     batch = packed_batch()

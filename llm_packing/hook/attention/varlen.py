@@ -31,12 +31,14 @@ from ..shapes import attention_head_dims
 
 ROUTES = ("auto", "varlen", "dense")
 # `attention_route="auto"` on CUDA: the dense route for rows up to this length, for heads up to this width. Measured on
-# an H200 (torch 2.11, bf16, 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 1.95x the
-# varlen route on a 0.5B shape (head dim 64) and 0.83x on a 1.5B shape (head dim 128); at 16,384 the varlen route
-# trained 1.49x the dense route (0.5B). Those varlen figures are from torch's `varlen_attn` (cuDNN there), which the
-# route no longer calls: `benchmarks/gpu_check.py` re-measures both bounds.
+# an H200 (torch 2.11, bf16 autocast, 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 2.6x
+# the varlen route and 1.9x TRL's packing on sdpa on a 0.5B shape (head dim 64), and 2.0x the varlen route and 1.1x
+# TRL's packing on a 1.5B shape (head dim 128); at 16,384 the varlen route, then calling torch's `varlen_attn`, trained
+# 1.49x the dense route (0.5B, an earlier lease). The varlen figures at 4,096 are from its per-bucket fallback
+# (autocast's float32 queries skipped the FlashAttention 2 op then, since fixed); the op's own speed is for the next
+# GPU check to measure. Wider heads are unmeasured.
 DENSE_ON_CUDA_UP_TO = 4096
-DENSE_ON_CUDA_UP_TO_HEAD_DIM = 64
+DENSE_ON_CUDA_UP_TO_HEAD_DIM = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -371,7 +373,7 @@ def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
     Example:
     ```python
     >>> from llm_packing.hook.attention.varlen import auto_takes_dense
-    >>> auto_takes_dense("cuda", 4096, 64), auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 16384, 64)
+    >>> auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 4096, 256), auto_takes_dense("cuda", 16384, 64)
     (True, False, False)
     >>> auto_takes_dense("cpu", 2048, 64)
     False
