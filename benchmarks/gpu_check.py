@@ -104,10 +104,7 @@ class Section:
     accumulation: int
     configurations: tuple[str, ...]
     profile: tuple[str, ...] = ()
-    # Gradient checkpointing (as `Trainer`'s `gradient_checkpointing=True`) on a GPU with less memory than this: the
-    # 1.5B shape at 16,384 tokens a micro-batch peaked at 72-75 GiB allocated on the H200 (2026-11-27), too close to
-    # an H100's 79 GiB; recomputation is not counted in MFU, so a GPU that holds the step runs without it.
-    checkpoint_below_gib: float = 0.0
+    flags: tuple[str, ...] = ()
     row_s: float = 30.0  # estimated per configuration: process start, warm-up, 3 steps (24-39 s on an H200)
     setup_s: float = 15.0  # documents, and FlashAttention 4 compiling a new head dimension
 
@@ -127,7 +124,11 @@ COMPILE_S = 150.0
 SECTIONS = (
     Section("1.5b-16384", "1.5b", 16384, "lognormal", 1, 1,
             (f"{OURS}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|{FA4}", f"{TRL}|sdpa"),
-            profile=(f"{OURS}|sdpa",), checkpoint_below_gib=120, row_s=31, setup_s=18),
+            profile=(f"{OURS}|sdpa",), row_s=31, setup_s=18,
+            # Its steps peaked at 72-75 GiB allocated on the H200 (2026-11-27), close to an H100's 79 GiB:
+            # gradient checkpointing only in a configuration that runs out of memory without (recomputation is not
+            # counted in MFU), and its row says so.
+            flags=("--gradient-checkpointing", "on-oom")),
     Section("1.5b-4096", "1.5b", 4096, "conversations", 1, 4,
             (f"{OURS}|{FA4}", f"{TRL}|{FA4}", f"{OURS}|sdpa", f"{OTHER_ROUTE}|sdpa", f"{TRL}|sdpa",
              f"{COMPILED}|{FA4}"),
@@ -164,16 +165,12 @@ def resolve(configurations, section: "Section", dense_at) -> list[str]:
     return [configuration.replace(OTHER_ROUTE, other) for configuration in configurations]
 
 
-def throughput_command(section: Section, output: str, dense_at, budget_s: float | None,
-                       memory_gib: float | None) -> list[str]:
-    """`memory_gib`: the GPU's memory, for `Section.checkpoint_below_gib` (None: unknown, checkpointing as needed)."""
-    checkpointing = section.checkpoint_below_gib > (memory_gib if memory_gib is not None else 0.0)
+def throughput_command(section: Section, output: str, dense_at, budget_s: float | None) -> list[str]:
     command = [sys.executable, os.path.join(BENCHMARKS, "train_throughput.py"), "--model", section.model, "--also",
                "--device", DEVICE, "--dtype", "bf16", "--max-length", str(section.max_length), "--rows",
                str(section.rows), "--accumulation", str(section.accumulation), "--steps", "3", "--rounds", "1",
                "--warmup", "1", "--datasets", section.dataset, "--threads", "4", "--no-plot", "--row-timeout-s",
-               str(int(max(180, 2 * max(section.row_estimates_s())))), "--output", output,
-               *(["--gradient-checkpointing"] if checkpointing else []), "--only",
+               str(int(max(180, 2 * max(section.row_estimates_s())))), "--output", output, *section.flags, "--only",
                *resolve(section.configurations, section, dense_at)]
     if section.profile:
         command += ["--profile", *resolve(section.profile, section, dense_at)]
@@ -262,7 +259,7 @@ def print_plan(args, why: str | None) -> int:
     for section in chosen_sections(args):
         elapsed += estimate_s(section)
         fits = "fits" if elapsed <= args.budget_s else "over --budget-s: skipped"
-        command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None, None)[1:]
+        command = throughput_command(section, f"{args.out}/gpu_check_throughput_running", dense_at, None)[1:]
         print(f"- throughput {section.name}, estimated {estimate_s(section):.0f} s (cumulative {elapsed:.0f} s, "
               f"{fits}): python {shlex.join([os.path.relpath(command[0], ROOT), *command[1:]])}")
         for configuration in resolve(section.configurations, section, dense_at):
@@ -394,15 +391,12 @@ def run_compile_check(path: str, timeout: float) -> dict:
 def run_throughput(args, log, deadline: float, gpu: str) -> None:
     """The sections in order, each `train_throughput.py` bounded by what is left of the budget; each section's report
     appended to gpu_check_throughput.md as it finishes, its profile tables to gpu_profile_<device>.md."""
-    import torch
-
     from llm_packing.hook.attention.varlen import auto_takes_dense
 
     running = os.path.join(args.out, "gpu_check_throughput_running")
     combined = os.path.join(args.out, "gpu_check_throughput.md")
     profiles = os.path.join(args.out, f"gpu_profile_{device_slug(gpu)}.md")
     dense_at = lambda section: auto_takes_dense(DEVICE, section.max_length, head_dim(section.model))  # noqa: E731
-    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     for section in chosen_sections(args):
         remaining = deadline - time.monotonic()
         if remaining < section.row_s:
@@ -410,7 +404,7 @@ def run_throughput(args, log, deadline: float, gpu: str) -> None:
                              f"{section.row_s:.0f} s (rerun with `--sections {section.name} --skip-exactness`)\n")
             log(f"throughput {section.name}: skipped, {remaining:.0f} s left")
             continue
-        command = throughput_command(section, running, dense_at, remaining, memory_gib)
+        command = throughput_command(section, running, dense_at, remaining)
         log(f"throughput {section.name}: {shlex.join(command[1:])}")
         started = time.monotonic()
         process = run_bounded(command, remaining + 60, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

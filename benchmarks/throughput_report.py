@@ -36,7 +36,7 @@ def summarise(result: dict) -> dict:
         "mixer": total["mixer"] / total["seconds"],
         "rebatch": total["rebatch"] / total["seconds"],
         "mfu": total["flops"] / total["seconds"] / peak_flops if peak_flops and "flops" in total else None,
-        "peak_mib": result["peak_mib"], "base_mib": result["base_mib"],
+        "peak_mib": result["peak_mib"], "base_mib": result["base_mib"], "note": result.get("note"),
     }
 
 
@@ -47,7 +47,8 @@ def merge_rounds(results: list[dict]) -> dict:
         return failed[0]
     peak = max(results, key=lambda result: result["peak_mib"])
     return {"steps": [step for result in results for step in result["steps"]], "peak_mib": peak["peak_mib"],
-            "base_mib": peak["base_mib"], "peak_flops": peak.get("peak_flops")}
+            "base_mib": peak["base_mib"], "peak_flops": peak.get("peak_flops"),
+            "note": next((result["note"] for result in results if result.get("note")), None)}
 
 
 def metrics(device: str) -> dict[str, str]:
@@ -83,7 +84,8 @@ def table(rows: dict, dataset: str, device: str) -> list[str]:
         if device == "cuda":
             cells += f" {r['mfu']:.1%} |" if r["mfu"] is not None else " n/a |"
         peak = f"{r['peak_mib']:,.0f}" + (f" (+{r['peak_mib'] - r['base_mib']:,.0f})" if r["base_mib"] else "")
-        lines.append(f"| {name} | {backend} |{cells} {r['step_ms']:,.0f} | {r['real']:,.0f} | {r['padding']:.1%} | "
+        label = f"{name} ({r['note']})" if r.get("note") else name
+        lines.append(f"| {label} | {backend} |{cells} {r['step_ms']:,.0f} | {r['real']:,.0f} | {r['padding']:.1%} | "
                      f"{r['mask']:.2%} | {peak} |")
     return lines
 

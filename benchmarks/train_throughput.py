@@ -392,8 +392,10 @@ def run_configuration(args) -> dict:
     # A compiled model's mask builders run outside its graphs; wrapping them for timing would only add graph breaks.
     spent = {"s": 0.0} if name == COMPILED else time_mask_builders(model)
     mixer_time = time_mixers(model, sync)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint = lambda: model.gradient_checkpointing_enable(  # noqa: E731
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing == "on":
+        checkpoint()
     forward = torch.compile(model) if name == COMPILED else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # Trainer's default "adamw_torch_fused"
     # bf16 as Trainer's `bf16=True` runs it: fp32 master weights under autocast.
@@ -436,7 +438,15 @@ def run_configuration(args) -> dict:
             raise FloatingPointError(f"loss is {[float(x) for x in losses]}")
         return record
 
-    records = [train_step(micro_batches) for micro_batches in steps]
+    def checkpoint_after_oom() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        checkpoint()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    records, checkpointed = run_steps(train_step, steps,
+                                      checkpoint_after_oom if args.gradient_checkpointing == "on-oom" else None)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if args.profile_out:
@@ -446,7 +456,23 @@ def run_configuration(args) -> dict:
                      f"{name} | {backend}: {args.model} model, {args.dataset}, {args.accumulation} x {args.rows} x "
                      f"{args.max_length} tokens")
     return {"steps": records[args.warmup :], "peak_mib": peak, "base_mib": 0.0 if cuda else base_rss,
-            "peak_flops": peak_bf16_flops(torch.cuda.get_device_name()) if cuda and args.dtype == "bf16" else None}
+            "peak_flops": peak_bf16_flops(torch.cuda.get_device_name()) if cuda and args.dtype == "bf16" else None,
+            **({"note": "gradient checkpointing: out of memory without"} if checkpointed else {})}
+
+
+def run_steps(train_step, steps: list, on_out_of_memory=None) -> tuple[list[dict], bool]:
+    """`train_step` over `steps`; where one runs out of memory and `on_out_of_memory` is given, that is called (it
+    turns gradient checkpointing on) and every step runs again. Returns the steps' records and whether it was."""
+    import torch
+
+    try:
+        return [train_step(micro_batches) for micro_batches in steps], False
+    except torch.OutOfMemoryError:
+        if on_out_of_memory is None:
+            raise
+    # Out of the except block: the traceback's frames, and the activations they hold, are freed by now.
+    on_out_of_memory()
+    return [train_step(micro_batches) for micro_batches in steps], True
 
 
 def document_lengths(features: list[dict]) -> list[int]:
@@ -486,8 +512,11 @@ def main() -> None:
     parser.add_argument("--loss", choices=("trl", "model"), default="trl",
                         help="trl (default): TRL's fused LM head, as SFTTrainer computes its loss; model: the model's "
                         "own loss over the whole logits, as a plain Trainer does")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="as Trainer's gradient_checkpointing=True (recomputation is not counted in MFU)")
+    parser.add_argument("--gradient-checkpointing", nargs="?", const="on", default="off",
+                        choices=("off", "on", "on-oom"),
+                        help="as Trainer's gradient_checkpointing=True (recomputation is not counted in MFU); "
+                             "'on-oom': only in a configuration whose steps run out of memory without it (its row "
+                             "says so)")
     # One intra-op thread by default: on 2 cores shared with other jobs, a second thread stalls at every OpenMP barrier
     # whenever the other core is taken (steps ran up to 20x slower), which swamps the differences measured here.
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every configuration")
@@ -533,7 +562,9 @@ def main() -> None:
         *(f"- model {model}: {MODELS[model][0]}, {MODELS[model][1]}" for model in models),
         (f"- {args.device}, {args.dtype}, torch threads: {args.threads}, AdamW (fused) with the gradient norm clipped "
          f"at 1.0 (Trainer's defaults), {LOSSES[args.loss]}"
-         f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"),
+         + {"off": "", "on": ", gradient checkpointing",
+            "on-oom": ", gradient checkpointing only where a configuration ran out of memory without"}[
+             args.gradient_checkpointing]),
         (f"- budget: {args.accumulation} x {args.rows} x {args.max_length} = {tokens:,} tokens per step "
          f"(micro-batches x rows x max_length); {args.steps} measured steps per configuration, a systematic "
          f"sample of its epoch's micro-batches by attention work, in {args.rounds} interleaved rounds of one "

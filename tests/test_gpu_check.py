@@ -69,8 +69,7 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
     assert "--row-timeout-s 360" in sections[1]  # twice the compiled row's estimate
     assert "--profile 'llm_packing rows|sdpa'" in sections[0]
     assert "--profile 'llm_packing rows, varlen route|sdpa'" in sections[1]
-    # The GPU's memory is unknown in a dry run: the 1.5B shape at 16,384 is listed with gradient checkpointing.
-    assert "--gradient-checkpointing" in sections[0]
+    assert "--gradient-checkpointing on-oom" in sections[0]
     assert not any("--gradient-checkpointing" in line for line in sections[1:])
     rows = [line.strip() for line in lines if line.startswith("  - row ")]
     fa4, trl, ours, padded = "flash_attention_4", "TRL packing (bfd + padding-free)", "llm_packing rows", \
@@ -88,16 +87,30 @@ def test_dry_run_lists_every_check_and_row_with_estimates():
     assert f"- row 0.5b-16384: {ours}, dense mask|sdpa" in rows
 
 
-def test_gradient_checkpointing_only_where_the_activations_do_not_fit():
-    gpu_check = load("gpu_check")
-    section = next(section for section in gpu_check.SECTIONS if section.name == "1.5b-16384")
-    command = lambda memory_gib: gpu_check.throughput_command(  # noqa: E731
-        section, "out", lambda _: False, None, memory_gib)
-    assert "--gradient-checkpointing" in command(79.2)  # an H100
-    assert "--gradient-checkpointing" not in command(139.8)  # an H200: no recomputation, MFU as it is
-    assert "--gradient-checkpointing" in command(None)
-    other = next(section for section in gpu_check.SECTIONS if section.name == "1.5b-4096")
-    assert "--gradient-checkpointing" not in gpu_check.throughput_command(other, "out", lambda _: False, None, 79.2)
+def test_gradient_checkpointing_only_after_running_out_of_memory():
+    """`--gradient-checkpointing on-oom` (the 1.5B shape at 16,384 in gpu_check): steps run without it; where one runs
+    out of memory, checkpointing is turned on and every step runs again, and the row says so."""
+    train_throughput = load("train_throughput")
+    report = load("throughput_report")
+    checkpointing, ran = [], []
+
+    def train_step(micro_batches):
+        if not checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        ran.append(micro_batches)
+        return {"step": micro_batches}
+
+    with pytest.raises(torch.OutOfMemoryError):
+        train_throughput.run_steps(train_step, ["warm-up", "a"])
+    assert train_throughput.run_steps(train_step, ["warm-up", "a"], lambda: checkpointing.append(True)) == (
+        [{"step": "warm-up"}, {"step": "a"}], True)
+    assert ran == ["warm-up", "a"] and checkpointing == [True]
+    assert train_throughput.run_steps(train_step, ["b"], lambda: None) == ([{"step": "b"}], False)
+    steps = [{"seconds": 0.5, "cpu": 0.5, "mask": 0.0, "real": 10, "tensor": 10, "mixer": 0.0, "rebatch": 0.0}]
+    row = report.summarise(report.merge_rounds([{"steps": steps, "peak_mib": 1.0, "base_mib": 0.0,
+                                                 "note": "gradient checkpointing: out of memory without"}]))
+    lines = report.table({("lognormal", report.OURS, "sdpa"): row}, "lognormal", "cuda")
+    assert lines[2].startswith("| llm_packing rows (gradient checkpointing: out of memory without) | sdpa | 20 |")
 
 
 def test_bundle_install_is_pip_from_the_folder_and_archives_into_site_packages(tmp_path):
