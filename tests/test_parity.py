@@ -13,17 +13,20 @@ supported type runs issue 25's row and 3 drawn layouts in every CI pass, 9 more 
 sdpa routes, and a sample of them on flex_attention (see `test_random_layouts_equal_separate_documents`).
 
 sdpa runs both of its routes: `varlen` (per-document SDPA, llm_packing/hook/attention/varlen.py; the test asserts that
-it is taken and that no dense mask is built) and `dense` (transformers' own packed mask). eager and flex_attention
-have one route.
+it is taken and that no dense mask is built) and `dense` (transformers' own packed mask), and the varlen route as it
+runs on CUDA in half precision (`FLASH_OP`: torch's FlashAttention 2 varlen op over the batch in place, through a CPU
+stand-in of the op, in float32). eager and flex_attention have one route.
 
 The unmarked `CORE_MODEL_TYPES` run in every CI pass; the full sweep is marked `slow`.
 """
 
+import contextlib
 import re
 
 import pytest
 import torch
 from call_counting import count_calls
+from flash_op_stand_in import flash_op_on_cpu
 from flex_modes import compiled_flex, traced_flex, untraced_flex
 from random_layouts import (
     BASE_SEQUENCES,
@@ -54,7 +57,10 @@ from llm_packing.hook.support.architectures import (
 
 TOLERANCE = 1e-5
 CORE_MODEL_TYPES = ("llama", "qwen2", "gemma2", "mixtral", "phi3", "gpt_neox")
-ROUTES = {"eager": ("auto",), "sdpa": ("varlen", "dense"), "flex_attention": ("auto",)}
+# The varlen route as it runs on CUDA in half precision: torch's FlashAttention 2 varlen op over the batch in place,
+# here through its CPU stand-in (`flash_op_stand_in.py`), in float32.
+FLASH_OP = "varlen, flash op"
+ROUTES = {"eager": ("auto",), "sdpa": ("varlen", FLASH_OP, "dense"), "flex_attention": ("auto",)}
 MATRIX = [
     pytest.param(model_type, backend, route, marks=() if model_type in CORE_MODEL_TYPES else pytest.mark.slow)
     for model_type in supported_model_types()
@@ -116,21 +122,23 @@ def test_packed_batch_equals_separate_documents(model_type, backend, route, monk
         with pytest.raises(UnsupportedSetupError, match=model_type):
             configure_packing_and_undo(model)
         return
-    if route == "varlen" and sdpa_route(model.config)[0] == "dense":
+    if route in ("varlen", FLASH_OP) and sdpa_route(model.config)[0] == "dense":
         with pytest.raises(UnsupportedSetupError, match="attention_route='varlen'"):
-            configure_packing_and_undo(model, attention_route=route)
+            configure_packing_and_undo(model, attention_route=_attention_route(route))
         return
     with untraced_flex():
         references = References(model, [FIXED_LAYOUT], check_prefixes=backend != "flex_attention")
     with traced_flex():  # the hook's mask functions, traced by dynamo for every type
-        calls = {}
+        calls, op_calls = {}, []
         count_calls(calls, monkeypatch, varlen, "packed_sdpa_attention")
         mask_functions = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         count_calls(calls, monkeypatch, masking_utils, "sdpa_mask", mask_functions)
-        with packing_configured(model, attention_route=route):
+        with packing_configured(model, attention_route=_attention_route(route)), _route_kernel(route, op_calls):
             logit_difference, loss_difference, _ = layout_differences(model, references, FIXED_LAYOUT)
-    if route == "varlen":
+    if route in ("varlen", FLASH_OP):
         assert calls["packed_sdpa_attention"] >= 1 and calls["sdpa_mask"] == 0, calls
+    if route == FLASH_OP:
+        assert op_calls, "the varlen route never took the FlashAttention op's path"
     if route == "dense":
         assert calls["packed_sdpa_attention"] == 0 and calls["sdpa_mask"] >= 1, calls
     assert logit_difference <= TOLERANCE, (model_type, backend, route, logit_difference)
@@ -213,12 +221,24 @@ def _assert_layouts_exact(model_type, layouts, flex_layouts):
     failures = []
     try:
         for cell, model, route, references, cell_layouts in cells:
-            configure_packing(model, attention_route=route)
-            failures += [f"{model_type} {cell}, {failure}"
-                         for failure in _layout_failures(model, references, cell_layouts)]
+            configure_packing(model, attention_route=_attention_route(route))
+            with _route_kernel(route):
+                failures += [f"{model_type} {cell}, {failure}"
+                             for failure in _layout_failures(model, references, cell_layouts)]
     finally:
         unconfigure_packing()
     assert not failures, "packed documents differ from the same documents run alone:\n" + "\n".join(failures)
+
+
+def _attention_route(route: str) -> str:
+    """The `attention_route` a matrix route configures."""
+    return "varlen" if route == FLASH_OP else route
+
+
+def _route_kernel(route: str, calls: list | None = None):
+    """Where `route` is `FLASH_OP`, the context that sends the varlen route through the stand-in of torch's
+    FlashAttention 2 varlen op, each call appended to `calls`; else nothing."""
+    return flash_op_on_cpu(calls) if route == FLASH_OP else contextlib.nullcontext()
 
 
 def _layout_failures(model, references, layouts) -> list[str]:

@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from flash_op_stand_in import flash_op_on_cpu, flash_op_stand_in
 from tiny_models import packed_batch, tiny_model
 
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
@@ -114,48 +115,20 @@ def test_gradients_equal_the_dense_route():
     assert (gradients["varlen"] - gradients["dense"]).abs().max() <= 1e-5
 
 
-def _flash_op_stand_in(calls: list):
-    """torch's `aten._flash_attention_forward` (its schema's arguments), computed with per-document SDPA on CPU; it
-    checks what the CUDA kernel checks on the layout (int32 contiguous boundaries, heads dividing, max at least the
-    longest segment)."""
-
-    def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                                seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
-        calls.append((cum_seq_q.tolist(), max_q, (window_size_left, window_size_right), key.shape[1]))
-        assert cum_seq_q is cum_seq_k and cum_seq_q.dtype == torch.int32 and cum_seq_q.is_contiguous()
-        assert max_q == max_k >= int(cum_seq_q.diff().max()) and is_causal and dropout_p == 0.0
-        assert query.shape[1] % key.shape[1] == 0 and window_size_right == 0 and not return_debug_mask
-        outputs = []
-        for start, end in itertools.pairwise(cum_seq_q.tolist()):
-            q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
-            steps = torch.arange(end - start)
-            band = steps[:, None] >= steps[None]
-            if window_size_left >= 0:
-                band &= steps[:, None] - steps[None] <= window_size_left
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale,
-                                                                   enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1))
-        output = torch.cat(outputs)
-        return output, None, None, None, None
-
-    return flash_attention_forward
-
-
-def test_torch_flash_varlen_op_with_a_cpu_stand_in(monkeypatch):
+def test_torch_flash_varlen_op_with_a_cpu_stand_in():
     """On CUDA in half precision the route calls torch's FlashAttention 2 varlen op once per layer over every
-    document, grouped-query key and value heads as they are (no copies), the sliding window as its left edge."""
+    document, grouped-query key and value heads as they are (no copies), the sliding window as its left edge. (The
+    parity matrix runs every type through the stand-in too: `test_parity.FLASH_OP`.)"""
     schema = torch.ops.aten._flash_attention_forward.default._schema
-    calls = []
-    stand_in = _flash_op_stand_in(calls)
+    stand_in = flash_op_stand_in()
     assert list(inspect.signature(stand_in).parameters) == [argument.name for argument in schema.arguments]
     model = tiny_model("qwen2", "sdpa")
     batch = packed_batch()
+    calls = []
     with packing_configured(model), torch.no_grad():
         expected = model(**{key: batch[key] for key in INPUTS}).logits
-        monkeypatch.setattr(varlen, "_flash_varlen_dtype", lambda *args: torch.float32)
-        monkeypatch.setattr(varlen, "flash_varlen_op", lambda: stand_in)
-        logits = model(**{key: batch[key] for key in INPUTS}).logits
+        with flash_op_on_cpu(calls):
+            logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert len(calls) == 2  # one call per layer, every document at once
     assert {window for _, _, window, _ in calls} == {(3, 0), (-1, 0)}  # sliding layer: window 4 = 3 back + itself
     # The whole batch in place: the documents and row 0's two padding tokens as segments, no gather or scatter.
@@ -197,7 +170,7 @@ def test_under_autocast_the_flash_op_gets_every_input_in_autocasts_dtype(monkeyp
     bfloat16 value. The op then gets all three in bfloat16 (CPU autocast and a stand-in of the op here, the same
     code as on CUDA), as sdpa would, and the packed logits equal the per-document route's under the same autocast."""
     calls, dtypes = [], []
-    stand_in = _flash_op_stand_in(calls)
+    stand_in = flash_op_stand_in(calls)
 
     def recording(query, key, value, *args, **kwargs):
         dtypes.append((query.dtype, key.dtype, value.dtype))

@@ -229,6 +229,9 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
     return output.transpose(1, 2)
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the op's kernels' (the tests' CPU stand-in adds float32)
+
+
 def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None:
     """The half-precision dtype in which torch's FlashAttention 2 varlen op runs this call, or None where it does not
     run. It runs on CUDA (not ROCm) on an Ampere or newer GPU, without dropout, for equal head dims up to 256 in
@@ -237,7 +240,7 @@ def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None
     float32 and value in bfloat16; sdpa would run all three in bfloat16, and so does the op."""
     dtype = _sdpa_dtype(query)
     runs = (
-        dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+        dtype in FLASH_DTYPES and dropout == 0.0
         and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 and query.shape[-1] % 8 == 0
         and flash_varlen_op() is not None and _on_flash_capable_gpu(query)
     )
