@@ -229,7 +229,7 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
     return output.transpose(1, 2)
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the op's kernels' (the tests' CPU stand-in adds float32)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the op takes (tests/flash_op_stand_in.py adds float32 on CPU)
 
 
 def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None:
