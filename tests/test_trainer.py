@@ -190,6 +190,26 @@ def test_logged_token_counts_are_the_tokens_trained_not_the_indexed_mask_sum(tmp
     assert trainer.state.num_input_tokens_seen == 190
 
 
+def test_the_trainers_check_runs_under_the_training_autocast(tmp_path, tokenizer, monkeypatch):
+    """With `bf16=True` on float32 weights training runs under autocast, where the varlen route takes torch's
+    FlashAttention op on CUDA: `verify_packing` runs under the same autocast, so it checks the kernels training runs
+    (CPU autocast here), and passes."""
+    from llm_packing.hook import verify
+
+    seen, check = [], verify.verify_packing
+
+    def recording(model, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return check(model, **kwargs)
+
+    monkeypatch.setattr(verify, "verify_packing", recording)
+    packed = pack_dataset(documents(), MAX_LENGTH)
+    for bf16 in (True, False):
+        args = SFTConfig(output_dir=str(tmp_path / str(bf16)), **{**QUIET, "bf16": bf16})
+        PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=packed, processing_class=tokenizer)
+    assert seen == [(True, torch.bfloat16), (False, torch.bfloat16)]
+
+
 def test_packed_sft_trainer_leaves_the_callers_config_alone(tmp_path, tokenizer):
     args = SFTConfig(output_dir=str(tmp_path), **QUIET)
     trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),

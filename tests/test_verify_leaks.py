@@ -15,6 +15,7 @@ from llm_packing import ContaminationError, cli, packing_configured, verify_pack
 from llm_packing.cli import verify
 from llm_packing.hook import mixers
 from llm_packing.hook.masks import is_integer_mask
+from llm_packing.hook.verify import measure_packing
 
 
 PARITY_TOLERANCE = 1e-5  # tests/test_parity.py's
@@ -151,15 +152,19 @@ def test_verify_catches_every_leak_the_parity_matrix_catches(models, model_type)
     assert not missed, f"verify_packing missed leaks the parity matrix catches: {missed}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 autocast"])
 @pytest.mark.parametrize("model_type", list(KINDS))
 def test_no_false_alarm(models, model_type, dtype):
     """The injection at 0 runs the same extra code (the row's output, blended with weight 0): verify passes, held to
     the model's own noise (float32: limits of 5e-7 to 1e-6 here; limits at the floor itself, a margin of 1 and a base
-    of 1e-7, would raise on llama and falcon_h1)."""
-    model = models(model_type) if dtype is torch.float32 else copy.deepcopy(models(model_type)).to(dtype)
-    with packing_configured(model), InjectedLeak(model, KINDS[model_type], 0.0):
+    of 1e-7, would raise on llama and falcon_h1). Under autocast (the trainers' check with `bf16=True` on float32
+    weights) it holds the model to bfloat16's limits."""
+    model = copy.deepcopy(models(model_type)).to(torch.bfloat16) if dtype == "bfloat16" else models(model_type)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype.endswith("autocast"))
+    with packing_configured(model), InjectedLeak(model, KINDS[model_type], 0.0), autocast:
         verify_packing(model)
+        explained = measure_packing(model).logits.explained
+    assert explained.endswith("of float32)" if dtype == "float32" else "of bfloat16)"), explained
 
 
 @pytest.mark.parametrize("model_type", list(KINDS))

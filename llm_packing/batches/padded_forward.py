@@ -211,7 +211,7 @@ def pack_trainer_models(trainer, *, max_length: int | None, verify: bool) -> Non
         # TRL adds the fused head to the model under PEFT's wrapper.
         pack_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,
                            max_length=max_length)
-    configure_and_verify(models, verify=verify)
+    configure_and_verify(models, verify=verify, autocast=trainer.accelerator.autocast)
 
 
 def next_token_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ model, it also packs a document with two images between two text documents (`hoo
 loss too (`llm-packing verify` runs it).
 """
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ import torch
 from ..core.checks import check_integer
 from ..errors import ContaminationError, PackingTypeError, PackingValueError
 from . import guards, rotary
+from .autocast import computed_dtype
 from .media.image_text import causal_through_token_types
 from .media.verify_images import image_row_difference, includes_video
 from .verify_limits import PackingMeasurement, compare
@@ -184,13 +186,14 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
                                             else (None, None))
     finally:
         model.train(was_training)
-    logits = compare("logits", packed, followed, alone, atol, dtype=parameter.dtype)
+    dtype = computed_dtype(parameter)  # under autocast, the limits of its half precision
+    logits = compare("logits", packed, followed, alone, atol, dtype=dtype)
     if not gradients:
         return PackingMeasurement(logits)
     scale = max(gradient.abs().max().item() for gradient in alone_gradients) or 1.0
     relative = [[gradient / scale for gradient in side] if side is not None else None
                 for side in (packed_gradients, followed_gradients, alone_gradients)]
-    return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=parameter.dtype))
+    return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=dtype))
 
 
 def _followed_runs(config, followed_ids: torch.Tensor, documents) -> list[tuple]:
@@ -302,13 +305,16 @@ def _model_logits(model, **inputs) -> torch.Tensor:
 
 
 def configure_and_verify(
-    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = "", processor=None
+    models, *, verify: bool = True, checked=None, compared: str = "logits", where: str = "", processor=None,
+    autocast=contextlib.nullcontext,
 ) -> float | None:
     """
     What every packed trainer does to its models before the first step: [`~llm_packing.configure_packing`] on each,
     then [`verify_packing`] on `checked` (default: the first model; a base model's `compared` outputs are its hidden
-    states; with an image-text model's `processor`, a row with images too), logging the outcome (`where` prefixes the
-    line, e.g. `"[rank 0/2] "`).
+    states; with an image-text model's `processor`, a row with images too) within `autocast()` (the trainer's
+    `accelerator.autocast`: with `bf16=True` the check runs the kernels training runs, as the varlen route takes
+    torch's FlashAttention op on CUDA under autocast), logging the outcome (`where` prefixes the line, e.g.
+    `"[rank 0/2] "`).
 
     Returns the difference `verify_packing` measured, or `None` when `verify` is off.
     """
@@ -330,7 +336,8 @@ def configure_and_verify(
             "itself is proven with packing in tests/test_zero3.py).", where
         )
         return None
-    difference = verify_packing(model, processor=processor)
+    with autocast():
+        difference = verify_packing(model, processor=processor)
     images = ""
     if processor is not None:
         video = includes_video(model.config.model_type, processor)

@@ -44,7 +44,7 @@ class PackedRewardTrainer(RewardTrainer):
         pack_sequence_scores(scorer)
         # The backbone's hidden states are what the head scores: verified there.
         configure_and_verify(model, verify=verify_packing, checked=getattr(scorer, scorer.base_model_prefix),
-                             compared="hidden states")
+                             compared="hidden states", autocast=self.accelerator.autocast)
 
 
 def pack_sequence_scores(model, *, max_length: int | None = None):

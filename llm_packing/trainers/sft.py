@@ -262,7 +262,8 @@ class PackedSFTTrainer(SFTTrainer):
 
     def _configure_model(self, verify: bool, processor=None) -> None:
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
-        configure_and_verify(self.model, verify=verify, where=where, processor=processor)
+        configure_and_verify(self.model, verify=verify, where=where, processor=processor,
+                             autocast=self.accelerator.autocast)
 
 
 def _sft_config(args, model) -> SFTConfig:

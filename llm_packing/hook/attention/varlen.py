@@ -25,6 +25,7 @@ from ...core.checks import check_choice
 from ...core.rows import position_ids
 from ...errors import UnsupportedSetupError
 from .. import registry
+from ..autocast import computed_dtype
 from ..documents import bucket_bounds, documents_of
 from ..shapes import attention_head_dims
 
@@ -238,22 +239,13 @@ def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None
     multiples of 8, with a torch whose op takes a sliding window, in the dtype sdpa itself would run: the inputs' own,
     or autocast's. Under `Trainer`'s `bf16=True` with float32 weights the rotary embedding leaves query and key in
     float32 and value in bfloat16; sdpa would run all three in bfloat16, and so does the op."""
-    dtype = _sdpa_dtype(query)
+    dtype = computed_dtype(query)
     runs = (
         dtype in FLASH_DTYPES and dropout == 0.0
         and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 and query.shape[-1] % 8 == 0
         and flash_varlen_op() is not None and _on_flash_capable_gpu(query)
     )
     return dtype if runs else None
-
-
-def _sdpa_dtype(query) -> torch.dtype:
-    """The dtype `scaled_dot_product_attention` computes in for this query: autocast's where autocast is on for its
-    device (it casts every floating input but float64), else the query's own."""
-    device_type = query.device.type
-    if query.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return query.dtype
 
 
 def _on_flash_capable_gpu(query) -> bool:
