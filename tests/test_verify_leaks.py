@@ -15,6 +15,7 @@ from llm_packing import ContaminationError, cli, packing_configured, verify_pack
 from llm_packing.cli import verify
 from llm_packing.hook import mixers
 from llm_packing.hook.masks import is_integer_mask
+from llm_packing.hook.support.architectures import REFUSED_BACKENDS, backend_available, supported_model_types
 from llm_packing.hook.verify import measure_packing
 
 
@@ -165,6 +166,27 @@ def test_no_false_alarm(models, model_type, dtype):
         verify_packing(model)
         explained = measure_packing(model).logits.explained
     assert explained.endswith("of float32)" if dtype == "float32" else "of bfloat16)"), explained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_type_passes_under_bf16_autocast(model_type):
+    """What the trainers check with `bf16=True` on float32 weights (SFTConfig's default on a GPU): every supported
+    type, on sdpa where it has it (else eager), passes `verify_packing` under autocast, logits and gradients, held to
+    bfloat16's limits. dbrx's own MoE cannot run under CPU autocast (transformers' `index_add_` of bfloat16 expert
+    outputs into a float32 buffer), packed or not."""
+    backend = next(backend for backend in ("sdpa", "eager")
+                   if backend_available(model_type, backend) and (model_type, backend) not in REFUSED_BACKENDS)
+    model = tiny_model(model_type, backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if model_type == "dbrx":
+            with pytest.raises(RuntimeError, match="index_add_"):
+                model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+            return
+        with packing_configured(model):
+            measured = measure_packing(model, gradients=True)
+    assert measured.logits.exact and measured.gradients.exact, (measured.logits, measured.gradients)
+    assert measured.logits.explained.endswith("of bfloat16)")
 
 
 @pytest.mark.parametrize("model_type", list(KINDS))
