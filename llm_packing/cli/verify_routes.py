@@ -13,12 +13,11 @@ A route is an attention backend, and for sdpa the way packed rows attend (`varle
 import importlib.util
 import time
 
-import torch
-
 from ..errors import PackingError
 from ..hook import mixers, rotary
 from ..hook.attention import temperature
-from ..hook.attention.varlen import flash_varlen_op
+from ..hook.attention.varlen import FLASH_DTYPES, flash_varlen_op
+from ..hook.autocast import computed_dtype
 from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route
 from ..hook.support.model_types import causal_lm_model_type
@@ -146,7 +145,7 @@ def kernel(model, backend: str, route: str | None) -> str:
     if route == "dense" or sdpa_route(model.config)[0] == "dense":
         return "dense L x L document mask"
     parameter = next(model.parameters())
-    if parameter.is_cuda and parameter.dtype in (torch.float16, torch.bfloat16) and flash_varlen_op() is not None:
+    if parameter.is_cuda and computed_dtype(parameter) in FLASH_DTYPES and flash_varlen_op() is not None:
         return "torch FlashAttention 2 varlen op (one call per layer)"
     return "per-document SDPA (length buckets)"
 
