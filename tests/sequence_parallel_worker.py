@@ -2,6 +2,7 @@
 `torch.multiprocessing.spawn` on gloo CPU ranks: runs every case on its piece of each row and, on rank 0, saves the
 whole rows' logits, the loss and every parameter's gradient for the test to compare with each document run alone."""
 
+import contextlib
 import datetime
 import functools
 
@@ -116,7 +117,7 @@ def packed_dataset():
 
 
 def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int, path: str,
-                   checkpointing: bool = False) -> None:
+                   checkpointing: bool = False, bf16: bool = False) -> None:
     import os
     import tempfile
 
@@ -133,10 +134,20 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
     AcceleratorState._reset_state(True)
     PartialState._reset_state()
     model = tiny_model("llama", "sdpa").train()
+    from llm_packing.trainers import sequence_parallel as trainer_sequence_parallel
+
+    check, under_autocast = trainer_sequence_parallel.verify_sequence_parallel, []
+
+    def recording_check(model, group, **options):  # whether the trainer's check runs under autocast
+        with options.get("autocast", contextlib.nullcontext)():
+            under_autocast.append(torch.is_autocast_enabled("cpu"))
+        return check(model, group, **options)
+
+    trainer_sequence_parallel.verify_sequence_parallel = recording_check
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
-        bf16=False, activation_checkpointing=checkpointing, report_to="none", save_strategy="no",
+        bf16=bf16, activation_checkpointing=checkpointing, report_to="none", save_strategy="no",
         logging_strategy="steps", logging_steps=1, include_num_input_tokens_seen="non_padding",
         max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
     )
@@ -150,8 +161,67 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
         if rank == 0:
             (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
             torch.save({"parameters": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
-                        "counts": (logged["num_tokens"], logged["num_input_tokens_seen"])}, path)
+                        "counts": (logged["num_tokens"], logged["num_input_tokens_seen"]),
+                        "check under autocast": under_autocast}, path)
     finally:
+        trainer_sequence_parallel.verify_sequence_parallel = check
         unconfigure_packing()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leaking_attention(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+    """The varlen route's signature, attending each whole row causally: every document sees those before it."""
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return output.transpose(1, 2)
+
+
+def verify_checks(rank: int, world: int, port: int, path: str, model_name: str) -> None:
+    """`verify_sequence_parallel` on `model_name` ("tiny": tiny Llama; "smollm2": the bundled SmolLM2-135M) in float32
+    and under bfloat16 autocast, each also with attention leaking across documents, then cast to bfloat16. Rank 0
+    saves per check the difference returned or the error raised, and how often autocast was entered."""
+    from unittest import mock
+
+    from llm_packing.errors import ContaminationError
+    from llm_packing.hook.attention import varlen
+    from llm_packing.parallel import verify_sequence_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    entered = []
+
+    def bf16_autocast():
+        entered.append(True)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    if model_name == "smollm2":
+        from llm_packing.demo.pretrained import load_bundled_model
+
+        model = load_bundled_model(dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        model = tiny_model("llama", "sdpa")
+    # (name, autocast, leaking); the last check runs the model cast to bfloat16.
+    checks = (("float32", None, False), ("bf16 autocast", bf16_autocast, False), ("float32 leaking", None, True),
+              ("bf16 autocast leaking", bf16_autocast, True), ("bfloat16", None, False))
+    results = {}
+    try:
+        configure_sequence_parallel(model, world)
+        for name, autocast, leaking in checks:
+            if name == "bfloat16":
+                model.to(torch.bfloat16)
+            options = {} if autocast is None else {"autocast": autocast}
+            leak = mock.patch.object(varlen, "packed_sdpa_attention", _leaking_attention)
+            with leak if leaking else contextlib.nullcontext():
+                try:
+                    results[name] = verify_sequence_parallel(model, dist.group.WORLD, **options)
+                except ContaminationError as error:
+                    results[name] = str(error)
+        results["autocast entered"] = len(entered)
+    finally:
+        unconfigure_packing()
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, path)
+

@@ -1,12 +1,16 @@
 """The behavioural check of sequence parallelism: a tiny packed batch cut across the group, against each of its
-documents run alone on this rank."""
+documents run alone on this rank, within the limit `verify_packing` calibrates (`hook.verify_limits`)."""
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ContaminationError
+from ..hook import guards
+from ..hook.autocast import computed_dtype
+from ..hook.verify_limits import compare
 from .shards import shard_packed_batch
 
 
@@ -15,53 +19,63 @@ logger = logging.getLogger("llm_packing")
 # Documents straddling every piece boundary of groups up to 8 ranks (a 37-token row), a one-token document, an odd
 # row length (padded by the shard) and trailing padding in the first row.
 _DOCUMENT_LENGTHS = ((11, 1, 13, 5), (4, 17, 16))
-_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
 @torch.no_grad()
-def verify_sequence_parallel(model, group) -> float:
+def verify_sequence_parallel(model, group, *, autocast=contextlib.nullcontext) -> float:
     """
     Run a tiny packed batch cut across `group` (every rank of the group must call this, with the same model) and
-    compare each document's logits with the document run alone; raise `ContaminationError` past the tolerance of the
-    model's dtype (1e-4 in float32, 1e-2 in half precision). Returns the largest difference.
+    compare each document's logits with the document run alone, within `autocast()` (the trainer's
+    `accelerator.autocast`, so that the check runs the kernels and precision training runs).
+
+    The limit is [`~llm_packing.verify_packing`]'s, calibrated on the spot: attention kernels round differently for
+    different lengths, so a document's logits move when anything follows it, even where nothing can reach it (on
+    SmolLM2-135M: up to 7e-4 in float32, 2.5 in bfloat16). Each document is also run followed by the other documents'
+    tokens, unpacked, and the packed logits may differ from the alone ones by `max(base, 3 x that noise floor)` (the
+    base: `1e-6`, or `2**-6` in half precision, times the largest logit alone). Raises `ContaminationError` past it.
+
+    Returns:
+        `float`: the largest absolute logit difference found.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)  # the same batch on every rank
     length = max(sum(row) for row in _DOCUMENT_LENGTHS)
-    batch = {name: torch.zeros(len(_DOCUMENT_LENGTHS), length, dtype=torch.long)
-             for name in ("input_ids", "attention_mask")}
-    batch["input_ids"] = torch.randint(3, model.config.vocab_size, batch["input_ids"].shape, generator=generator)
+    input_ids = torch.randint(3, model.config.vocab_size, (len(_DOCUMENT_LENGTHS), length), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    documents = []  # (row, start, token ids)
     for row, lengths in enumerate(_DOCUMENT_LENGTHS):
-        batch["attention_mask"][row, : sum(lengths)] = torch.repeat_interleave(
-            torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-    batch["labels"] = batch["input_ids"].clone()
-    piece = shard_packed_batch(batch, rank, world)
-    piece = {name: value.to(device) for name, value in piece.items() if name in ("input_ids", "attention_mask",
-                                                                                  "position_ids")}
+        start = 0
+        for index, document_length in enumerate(lengths, start=1):
+            attention_mask[row, start : start + document_length] = index
+            documents.append((row, start, input_ids[row, start : start + document_length]))
+            start += document_length
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.clone()}
+    piece = {name: value.to(device) for name, value in shard_packed_batch(batch, rank, world).items()
+             if name in ("input_ids", "attention_mask", "position_ids")}
+    # Noise floor rows: each document first, the other documents' tokens after it, no mask: nothing reaches it.
+    tokens = [ids for _, _, ids in documents]
+    followed_ids = torch.stack([torch.cat(tokens[k:] + tokens[:k])[:length] for k in range(len(tokens))]).to(device)
     training = model.training
     model.eval()
     try:
-        logits = model(**piece, use_cache=False).logits.contiguous()
-        pieces = [torch.empty_like(logits) for _ in range(world)]
-        dist.all_gather(pieces, logits, group=group)
-        packed = torch.cat(pieces, dim=1)
-        difference = 0.0
-        for row, lengths in enumerate(_DOCUMENT_LENGTHS):
-            start = 0
-            for document_length in lengths:
-                ids = batch["input_ids"][row : row + 1, start : start + document_length].to(device)
-                alone = model(input_ids=ids, use_cache=False).logits
-                difference = max(difference, (packed[row, start : start + document_length] - alone[0]).abs().max()
-                                 .item())
-                start += document_length
+        with autocast(), guards.unpacked_forwards():
+            logits = model(**piece, use_cache=False).logits.contiguous()
+            pieces = [torch.empty_like(logits) for _ in range(world)]
+            dist.all_gather(pieces, logits, group=group)
+            packed_logits = torch.cat(pieces, dim=1)
+            followed_logits = model(input_ids=followed_ids, use_cache=False).logits
+            alone = [model(input_ids=ids[None].to(device), use_cache=False).logits[0] for _, _, ids in documents]
+            dtype = computed_dtype(next(model.parameters()))  # under autocast, the limits of its half precision
     finally:
         model.train(training)
-    tolerance = _TOLERANCE.get(logits.dtype, 1e-2)
-    if not difference <= tolerance:
+    packed = [packed_logits[row, start : start + len(ids)] for row, start, ids in documents]
+    followed = [followed_logits[k, : len(ids)] for k, (_, _, ids) in enumerate(documents)]
+    compared = compare("logits", packed, followed, alone, None, dtype=dtype)
+    if not compared.exact:
         raise ContaminationError(
-            f"Sequence parallelism over {world} ranks changed packed logits by {difference:.3g} against each document "
-            f"alone (tolerance {tolerance:g} in {logits.dtype}): documents are not isolated across ranks. Train with "
+            f"Sequence parallelism over {world} ranks changed packed logits by {compared.difference:.3g} against each "
+            f"document alone ({compared.explained}): documents are not isolated across ranks. Train with "
             "`sequence_parallel_size: 1`, and report the model type and versions."
         )
-    return difference
+    return compared.difference

@@ -64,7 +64,7 @@ class RepeatedBatches(Sampler):
 
 def setup(trainer, sequence_parallel_size: int, verify: bool, where: str) -> object:
     """Configure the model for sequence parallelism over consecutive ranks, check the group on a tiny packed batch
-    (logging it), and return this rank's group."""
+    under the training's autocast (logging it), and return this rank's group."""
     args = trainer.args
     if args.world_size % sequence_parallel_size:
         raise UnsupportedSetupError(
@@ -86,7 +86,7 @@ def setup(trainer, sequence_parallel_size: int, verify: bool, where: str) -> obj
     group = sequence_parallel_group(sequence_parallel_size)
     configure_sequence_parallel(trainer.model, sequence_parallel_size, group=group)
     if verify:
-        difference = verify_sequence_parallel(trainer.model, group)
+        difference = verify_sequence_parallel(trainer.model, group, autocast=trainer.accelerator.autocast)
         from ..hook.verify import logger
 
         logger.info("%sisolation verified across %d ranks: packed rows cut across the group give each document's "
