@@ -233,7 +233,7 @@ def main() -> int:
 
 
 def print_plan(args, why: str | None) -> int:
-    from llm_packing.hook.attention.varlen import auto_takes_dense
+    from llm_packing.hook.attention.route import auto_takes_dense
 
     print(f"gpu_check: {why}; nothing run. On a CUDA machine it would run:" if why else
           "gpu_check --dry-run: it would run:")
@@ -391,7 +391,7 @@ def run_compile_check(path: str, timeout: float) -> dict:
 def run_throughput(args, log, deadline: float, gpu: str) -> None:
     """The sections in order, each `train_throughput.py` bounded by what is left of the budget; each section's report
     appended to gpu_check_throughput.md as it finishes, its profile tables to gpu_profile_<device>.md."""
-    from llm_packing.hook.attention.varlen import auto_takes_dense
+    from llm_packing.hook.attention.route import auto_takes_dense
 
     running = os.path.join(args.out, "gpu_check_throughput_running")
     combined = os.path.join(args.out, "gpu_check_throughput.md")

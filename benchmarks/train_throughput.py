@@ -545,7 +545,7 @@ def main() -> None:
     import transformers
     import trl
 
-    from llm_packing.hook.attention.varlen import auto_takes_dense
+    from llm_packing.hook.attention.route import auto_takes_dense
 
     flash = flash_backends(args.device)
     models = list(dict.fromkeys([args.model, *args.also]))

@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-from llm_packing.hook.attention import varlen
+from llm_packing.hook.attention import flash_op
 
 
 def flash_op_stand_in(calls: list | None = None):
@@ -43,9 +43,9 @@ def flash_op_stand_in(calls: list | None = None):
 @contextlib.contextmanager
 def flash_op_on_cpu(calls: list | None = None):
     """Within it, the varlen route takes the op's path on CPU, float32 included, with every other condition of
-    `varlen._flash_varlen_dtype` (no dropout, equal head dims up to 256 in multiples of 8) as on CUDA."""
+    `flash_op.flash_varlen_dtype` (no dropout, equal head dims up to 256 in multiples of 8) as on CUDA."""
     stand_in = flash_op_stand_in(calls)
-    with (mock.patch.object(varlen, "flash_varlen_op", lambda: stand_in),
-          mock.patch.object(varlen, "_on_flash_capable_gpu", lambda query: True),
-          mock.patch.object(varlen, "FLASH_DTYPES", (*varlen.FLASH_DTYPES, torch.float32))):
+    with (mock.patch.object(flash_op, "flash_varlen_op", lambda: stand_in),
+          mock.patch.object(flash_op, "_on_flash_capable_gpu", lambda query: True),
+          mock.patch.object(flash_op, "FLASH_DTYPES", (*flash_op.FLASH_DTYPES, torch.float32))):
         yield

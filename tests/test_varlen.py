@@ -18,7 +18,7 @@ from tiny_models import packed_batch, tiny_model
 from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
 from llm_packing.cli.arguments import PackingArguments
 from llm_packing.hook import documents
-from llm_packing.hook.attention import varlen
+from llm_packing.hook.attention import flash_op, route as route_switch, varlen
 from llm_packing.hook.attention.varlen import PackedAttentionMask
 
 
@@ -146,8 +146,8 @@ def test_the_flash_op_runs_only_where_its_kernel_does(monkeypatch):
         return types.SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 2, 4, dim),
                                      device=types.SimpleNamespace(index=0, type="cuda" if is_cuda else "cpu"))
 
-    runs = lambda query, dropout=0.0: varlen._flash_varlen_dtype(query, query, query, dropout)  # noqa: E731
-    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
+    runs = lambda query, dropout=0.0: flash_op.flash_varlen_dtype(query, query, query, dropout)  # noqa: E731
+    monkeypatch.setattr(flash_op, "_flash_capable", lambda index: True)
     assert runs(tensor()) == torch.bfloat16 and runs(tensor(dtype=torch.float16)) == torch.float16
     for query in (tensor(is_cuda=False), tensor(dtype=torch.float32), tensor(dim=20), tensor(dim=512)):
         assert runs(query) is None
@@ -158,10 +158,10 @@ def test_the_flash_op_runs_only_where_its_kernel_does(monkeypatch):
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: autocast[device_type])
     assert runs(tensor(dtype=torch.float32)) == torch.bfloat16 and runs(tensor(dtype=torch.float16)) == torch.bfloat16
     assert runs(tensor(dtype=torch.float64)) is None and runs(tensor(dtype=torch.float32, is_cuda=False)) is None
-    monkeypatch.setattr(varlen, "_flash_capable", lambda index: False)  # a T4, or ROCm
+    monkeypatch.setattr(flash_op, "_flash_capable", lambda index: False)  # a T4, or ROCm
     assert runs(tensor()) is None
-    monkeypatch.setattr(varlen, "_flash_capable", lambda index: True)
-    monkeypatch.setattr(varlen, "flash_varlen_op", lambda: None)  # a torch whose op has no sliding window
+    monkeypatch.setattr(flash_op, "_flash_capable", lambda index: True)
+    monkeypatch.setattr(flash_op, "flash_varlen_op", lambda: None)  # a torch whose op has no sliding window
     assert runs(tensor()) is None
 
 
@@ -176,7 +176,7 @@ def test_under_autocast_the_flash_op_gets_every_input_in_autocasts_dtype(monkeyp
         dtypes.append((query.dtype, key.dtype, value.dtype))
         return stand_in(query, key, value, *args, **kwargs)
 
-    inputs, choose = [], varlen._flash_varlen_dtype
+    inputs, choose = [], flash_op.flash_varlen_dtype
 
     def choosing(query, key, value, dropout):
         inputs.append((query.dtype, key.dtype, value.dtype))
@@ -186,9 +186,9 @@ def test_under_autocast_the_flash_op_gets_every_input_in_autocasts_dtype(monkeyp
     batch = packed_batch()
     with packing_configured(model), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(**{key: batch[key] for key in INPUTS}).logits
-        monkeypatch.setattr(varlen, "_on_flash_capable_gpu", lambda query: True)
-        monkeypatch.setattr(varlen, "flash_varlen_op", lambda: recording)
-        monkeypatch.setattr(varlen, "_flash_varlen_dtype", choosing)
+        monkeypatch.setattr(flash_op, "_on_flash_capable_gpu", lambda query: True)
+        monkeypatch.setattr(flash_op, "flash_varlen_op", lambda: recording)
+        monkeypatch.setattr(varlen, "flash_varlen_dtype", choosing)  # where the route calls it
         logits = model(**{key: batch[key] for key in INPUTS}).logits
     assert set(inputs) == {(torch.float32, torch.float32, torch.bfloat16)}
     assert len(calls) == model.config.num_hidden_layers
@@ -199,7 +199,7 @@ def test_under_autocast_the_flash_op_gets_every_input_in_autocasts_dtype(monkeyp
 
 def test_this_torch_has_the_flash_op_with_autograd():
     """The op the CUDA path calls exists here with its window arguments, and autograd knows its backward."""
-    op = varlen.flash_varlen_op()
+    op = flash_op.flash_varlen_op()
     assert op is torch.ops.aten._flash_attention_forward
     query = torch.zeros(6, 4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     key = torch.zeros(6, 2, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
@@ -223,7 +223,7 @@ def test_auto_takes_the_dense_route_where_it_is_faster(monkeypatch):
             asked.append((device_type, length, head_dim))
             return dense
 
-        monkeypatch.setattr(varlen, "auto_takes_dense", rule)
+        monkeypatch.setattr(route_switch, "auto_takes_dense", rule)
         layouts.clear()
         with packing_configured(model, attention_route="auto"), torch.no_grad():
             logits[dense] = model(**{key: batch[key] for key in INPUTS}).logits
@@ -275,10 +275,10 @@ class TestRouteSwitch:
         model = tiny_model("llama", "sdpa")
         with packing_configured(model, attention_route="dense"):
             configure_packing(model)
-            assert varlen._route == "dense"
-        assert varlen._route == "auto"
+            assert route_switch._route == "dense"
+        assert route_switch._route == "auto"
         with packing_configured(model):
-            assert varlen._route == "auto"
+            assert route_switch._route == "auto"
 
     def test_unconfigure_restores_transformers_sdpa(self):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

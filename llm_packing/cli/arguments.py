@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..core.checks import check_choice, check_integer
 from ..core.overflow import OVERFLOW_POLICIES
 from ..errors import PackingTypeError, PackingValueError
-from ..hook.attention.varlen import ROUTES
+from ..hook.attention.route import ROUTES
 
 
 PACKING_STRATEGIES = ("bfd", "ffd", "wfd", "nf")  # the strategies of `llm_packing.core.binpack.pack_sequences`

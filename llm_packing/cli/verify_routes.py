@@ -16,7 +16,7 @@ import time
 from ..errors import PackingError
 from ..hook import mixers, rotary
 from ..hook.attention import temperature
-from ..hook.attention.varlen import FLASH_DTYPES, flash_varlen_op
+from ..hook.attention.flash_op import FLASH_DTYPES, flash_varlen_op
 from ..hook.autocast import computed_dtype
 from ..hook.configure import configure_packing, unconfigure_packing
 from ..hook.support.architectures import sdpa_route

@@ -22,6 +22,7 @@ from .. import _compat
 from ..errors import ContaminationError, PackingTypeError, UnsupportedSetupError
 from . import registry
 from .attention import chunked, mask_functions, varlen
+from .attention.route import mask_for_builder
 from .cache import use_cache_fix
 from .documents import documents_of, get_unpad_data
 from .masks import document_position_ids, is_integer_mask
@@ -94,7 +95,7 @@ def _packed_mask(original, bound, attention_mask: torch.Tensor, config):
     if route == "flash":
         return attention_mask
     if route == "dense" and backend == "sdpa" and not mask_functions.carries_mask_functions(arguments):
-        packed = varlen.mask_for_builder(original.__name__, arguments, attention_mask)
+        packed = mask_for_builder(original.__name__, arguments, attention_mask)
         if packed is not None:
             return packed
     if route == "dense":

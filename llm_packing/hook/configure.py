@@ -37,7 +37,7 @@ from . import (
     router_loss,
     trainer_columns,
 )
-from .attention import alibi, indexers, temperature, varlen
+from .attention import alibi, indexers, route, temperature, varlen
 from .media import multimodal
 from .support.model_types import config_parts, modeling_module
 
@@ -71,8 +71,8 @@ def configure_packing(
             and again after [`unconfigure_packing`]), so that configuring a second time, as
             [`~llm_packing.trainers.sft.PackedSFTTrainer`] does, keeps a forced route. `"auto"`: the varlen route
             (each document's own causal block, memory linear in tokens; see `llm_packing.hook.attention.varlen`) where
-            the architecture allows it, except on CUDA for rows up to `varlen.DENSE_ON_CUDA_UP_TO` tokens and heads up
-            to `varlen.DENSE_ON_CUDA_UP_TO_HEAD_DIM` wide (faster there, measured), else transformers' dense
+            the architecture allows it, except on CUDA for rows up to 4,096 tokens and heads up to 128 wide (faster
+            there, measured: `hook.attention.route.DENSE_ON_CUDA_UP_TO`), else transformers' dense
             `(batch, 1, length, length)` mask. `"dense"` forces the dense mask;
             `"varlen"` raises unless the varlen route is taken. Other backends ignore `"auto"` and `"dense"`.
 
@@ -115,7 +115,7 @@ def configure_packing(
         backend = getattr(config, "_attn_implementation", None)
         if backend is not None:
             builders.mask_route(backend, config)
-        varlen.check_route(attention_route, config)
+        route.check_route(attention_route, config)
     except BaseException:
         # A refused setup leaves the model on the backend it came with, not half-configured.
         if attn_implementation is not None:
@@ -173,7 +173,7 @@ def _set_backend(model_or_config, config, backend: str) -> None:
 def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
     registry.restore_all()
-    varlen.reset_route()
+    route.reset_route()
 
 
 def is_packing_configured() -> bool:

@@ -1,7 +1,9 @@
 """Attention per document, where transformers' own mask builders cannot express it alone:
 
-- `varlen`: sdpa's route without an `L x L` mask (`PackedAttentionMask`, torch's FlashAttention 2 varlen op on CUDA,
-  SDPA per length bucket elsewhere) and `attention_route="auto"`'s rule;
+- `varlen`: sdpa's route without an `L x L` mask (`PackedAttentionMask`; torch's FlashAttention 2 varlen op on CUDA,
+  SDPA per length bucket elsewhere);
+- `flash_op`: when and how that route calls torch's FlashAttention 2 varlen op;
+- `route`: `attention_route` (`"auto"`, `"varlen"`, `"dense"`): which of the two routes a packed batch takes;
 - `chunked`: chunked attention per document on transformers < 5.23, whose packed masks chunk along the row;
 - `mask_functions`: mask builder calls with image mask functions (bidirectional image blocks) bounded by the document;
 - `alibi`: ALiBi biases per document;

@@ -15,31 +15,16 @@ document into chunk-sized pieces, each attended causally. What SDPA cannot expre
 position biases) keeps the dense route: see `llm_packing.hook.support.architectures.sdpa_route`.
 """
 
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ...core.checks import check_choice
 from ...core.rows import position_ids
 from ...errors import UnsupportedSetupError
 from .. import registry
-from ..autocast import computed_dtype
 from ..documents import bucket_bounds, documents_of
-from ..shapes import attention_head_dims
-
-
-ROUTES = ("auto", "varlen", "dense")
-# `attention_route="auto"` on CUDA: the dense route for rows up to this length, for heads up to this width. Measured on
-# an H200 (torch 2.11, bf16 autocast, 16k tokens a step; docs/performance.md): at 4,096 the dense route trained 2.6x
-# the varlen route and 1.9x TRL's packing on sdpa on a 0.5B shape (head dim 64), and 2.0x the varlen route and 1.1x
-# TRL's packing on a 1.5B shape (head dim 128); at 16,384 the varlen route, then calling torch's `varlen_attn`, trained
-# 1.49x the dense route (0.5B, an earlier lease). The varlen figures at 4,096 are from its per-bucket fallback
-# (autocast's float32 queries skipped the FlashAttention 2 op then, since fixed); the op's own speed is for the next
-# GPU check to measure. Wider heads are unmeasured.
-DENSE_ON_CUDA_UP_TO = 4096
-DENSE_ON_CUDA_UP_TO_HEAD_DIM = 128
+from .flash_op import flash_varlen_attention, flash_varlen_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,11 +181,12 @@ def packed_sdpa_attention(
         )
     flat = [tensor.transpose(1, 2).reshape(batch_size * length, tensor.shape[1], tensor.shape[3])
             for tensor in (query, key, value)]
-    flash_dtype = _flash_varlen_dtype(query, key, value, dropout)
+    flash_dtype = flash_varlen_dtype(query, key, value, dropout)
     if flash_dtype is not None:
         # The whole batch in place, padding runs as segments of their own: no gather, no scatter. Padding outputs
         # are then attention within the padding run, not zeros; nothing real attends to them.
-        output = _flash_varlen_attention([tensor.to(flash_dtype) for tensor in flat], mask, scaling)
+        output = flash_varlen_attention([tensor.to(flash_dtype) for tensor in flat], mask.segments,
+                                        mask.max_segment, mask.window, scaling)
         return output.view(batch_size, length, heads, value.shape[3])
     output = torch.cat([
         _bucket_attention(flat, bucket, mask.window, dropout, scaling).flatten(0, 1) for bucket in mask.buckets
@@ -230,65 +216,6 @@ def _bucket_attention(flat, bucket: torch.Tensor, window: int | None, dropout: f
     return output.transpose(1, 2)
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the op takes (tests/flash_op_stand_in.py adds float32 on CPU)
-
-
-def _flash_varlen_dtype(query, key, value, dropout: float) -> torch.dtype | None:
-    """The half-precision dtype in which torch's FlashAttention 2 varlen op runs this call, or None where it does not
-    run. It runs on CUDA (not ROCm) on an Ampere or newer GPU, without dropout, for equal head dims up to 256 in
-    multiples of 8, with a torch whose op takes a sliding window, in the dtype sdpa itself would run: the inputs' own,
-    or autocast's. Under `Trainer`'s `bf16=True` with float32 weights the rotary embedding leaves query and key in
-    float32 and value in bfloat16; sdpa would run all three in bfloat16, and so does the op."""
-    dtype = computed_dtype(query)
-    runs = (
-        dtype in FLASH_DTYPES and dropout == 0.0
-        and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256 and query.shape[-1] % 8 == 0
-        and flash_varlen_op() is not None and _on_flash_capable_gpu(query)
-    )
-    return dtype if runs else None
-
-
-def _on_flash_capable_gpu(query) -> bool:
-    return query.is_cuda and _flash_capable(query.device.index)
-
-
-@functools.cache
-def _flash_capable(device_index: int | None) -> bool:
-    """Whether torch's FlashAttention kernels run on this CUDA device: sm80 or newer, not ROCm (other kernels)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 0)
-
-
-def _flash_varlen_attention(tokens: list[torch.Tensor], mask: PackedAttentionMask, scaling: float | None):
-    """One call of torch's FlashAttention 2 varlen op over the segments of the flattened batch `tokens` (query, key,
-    value, each `(batch_size * length, heads, dim)`); grouped-query key and value heads go in as they are.
-
-    The op itself, not `torch.nn.attention.varlen.varlen_attn`: on an H200 with torch 2.11 that wrapper chose cuDNN,
-    which takes no grouped-query heads (so they were repeated) and whose steps left the GPU idle 57% of the time
-    (benchmarks/results/gpu-2026-11-27-h200/gpu_profile_h200.md)."""
-    query, key, value = tokens
-    window_left = -1 if mask.window is None else mask.window - 1
-    output = flash_varlen_op()(
-        query, key, value, mask.segments, mask.segments, mask.max_segment, mask.max_segment, 0.0, True, False,
-        scale=scaling, window_size_left=window_left, window_size_right=0,
-    )
-    return output[0]
-
-
-def flash_varlen_op():
-    """`torch.ops.aten._flash_attention_forward` (differentiable: its backward is `_flash_attention_backward`) where
-    this torch's takes `window_size_left`/`window_size_right`; None elsewhere."""
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    if op is None or not {"window_size_left", "window_size_right"} <= _argument_names(op):
-        return None
-    return op
-
-
-@functools.cache
-def _argument_names(op) -> frozenset[str]:
-    """The argument names of an ATen op's schema, read once: this runs in every attention layer's call."""
-    return frozenset(argument.name for argument in op.default._schema.arguments)
-
-
 def _refuse_inexpressible(module, kwargs) -> None:
     """Per-layer features SDPA cannot add to a per-document call: fail closed instead of dropping them."""
     present = [name for name in ("softcap", "s_aux", "sinks", "position_bias") if kwargs.get(name) is not None]
@@ -308,74 +235,6 @@ def packed_attention_mask(attention_mask: torch.Tensor, *, window=None, chunk=No
         ("varlen", chunk), lambda: PackedAttentionMask.from_indexed_mask(attention_mask, chunk=chunk)
     )
     return layout if window is None else replace(layout, window=window)
-
-
-_route = "auto"  # set by `configure_packing(..., attention_route=...)`, process-wide like the rest of the hook
-
-
-def check_route(attention_route, config) -> None:
-    """Validate `attention_route` for this model (raises before anything is patched), then make it the route;
-    `None` keeps the current one."""
-    global _route
-    from ..support.architectures import sdpa_route
-
-    if attention_route is None:
-        attention_route = _route
-
-    check_choice("attention_route", attention_route, ROUTES, fix=(
-        "'auto' takes the varlen route on sdpa where the architecture allows it (the dense route on CUDA for rows up "
-        f"to {DENSE_ON_CUDA_UP_TO} tokens and heads up to {DENSE_ON_CUDA_UP_TO_HEAD_DIM} wide), 'dense' forces "
-        "transformers' dense mask."
-    ))
-    backend = getattr(config, "_attn_implementation", None)
-    if attention_route == "varlen":
-        route, reason = sdpa_route(config)
-        if backend != "sdpa" or route != "varlen":
-            raise UnsupportedSetupError(
-                f"`attention_route='varlen'` needs the sdpa backend and an architecture it can express; model_type "
-                f"{config.model_type!r} on {backend!r}: "
-                f"{reason or 'the varlen route runs on sdpa only (FlashAttention is varlen already)'}. Use "
-                "`attention_route='auto'`, or `attn_implementation='sdpa'`."
-            )
-    _route = attention_route
-
-
-def mask_for_builder(builder_name: str, arguments: dict, attention_mask: torch.Tensor) -> PackedAttentionMask | None:
-    """What a patched sdpa mask builder returns for a validated indexed mask without mask functions (those take
-    `hook.attention.mask_functions`): its [`PackedAttentionMask`], or `None` where the dense route must build the mask
-    (route forced dense, an architecture that SDPA per document cannot express)."""
-    from ..support.architectures import sdpa_route
-
-    config = arguments["config"]
-    if _route == "dense" or sdpa_route(config)[0] != "varlen" or not getattr(config, "is_causal", True):
-        return None
-    if _route == "auto" and auto_takes_dense(attention_mask.device.type, attention_mask.shape[-1],
-                                             max(attention_head_dims(config), default=0)):
-        return None
-    if builder_name == "create_sliding_window_causal_mask":
-        return packed_attention_mask(attention_mask, window=config.sliding_window)
-    if builder_name == "create_chunked_causal_mask":
-        return packed_attention_mask(attention_mask, chunk=config.attention_chunk_size)
-    return packed_attention_mask(attention_mask)
-
-
-def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
-    """
-    Whether `attention_route="auto"` takes the dense route for rows of `length` tokens and attention heads of
-    `head_dim` on `device_type`: on CUDA up to `DENSE_ON_CUDA_UP_TO` tokens and `DENSE_ON_CUDA_UP_TO_HEAD_DIM` (faster
-    there, measured), elsewhere never (on CPU the varlen route is faster and its memory linear).
-
-    Example:
-    ```python
-    >>> from llm_packing.hook.attention.varlen import auto_takes_dense
-    >>> auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 4096, 256), auto_takes_dense("cuda", 16384, 64)
-    (True, False, False)
-    >>> auto_takes_dense("cpu", 2048, 64)
-    False
-
-    ```
-    """
-    return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO and head_dim <= DENSE_ON_CUDA_UP_TO_HEAD_DIM
 
 
 # Sequence parallelism (`llm_packing.parallel`) sets this, through the registry, to the attention of a layer holding a
@@ -418,9 +277,3 @@ def install() -> None:
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     if mapping.get("sdpa") is sdpa_attention.sdpa_attention_forward:
         registry.replace_item(mapping, "sdpa", sdpa_attention_forward)
-
-
-def reset_route() -> None:
-    """Back to `"auto"`, as after import (`unconfigure_packing`)."""
-    global _route
-    _route = "auto"
