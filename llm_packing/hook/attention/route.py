@@ -21,8 +21,6 @@ ROUTES = ("auto", "varlen", "dense")
 DENSE_ON_CUDA_UP_TO = 4096
 DENSE_ON_CUDA_UP_TO_HEAD_DIM = 128
 
-
-
 _route = "auto"  # set by `configure_packing(..., attention_route=...)`, process-wide like the rest of the hook
 
 
@@ -80,7 +78,7 @@ def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
 
     Example:
     ```python
-    >>> from llm_packing.hook.attention.varlen import auto_takes_dense
+    >>> from llm_packing.hook.attention.route import auto_takes_dense
     >>> auto_takes_dense("cuda", 4096, 128), auto_takes_dense("cuda", 4096, 256), auto_takes_dense("cuda", 16384, 64)
     (True, False, False)
     >>> auto_takes_dense("cpu", 2048, 64)
@@ -89,7 +87,6 @@ def auto_takes_dense(device_type: str, length: int, head_dim: int) -> bool:
     ```
     """
     return device_type == "cuda" and length <= DENSE_ON_CUDA_UP_TO and head_dim <= DENSE_ON_CUDA_UP_TO_HEAD_DIM
-
 
 
 def reset_route() -> None:
