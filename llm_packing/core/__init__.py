@@ -1,6 +1,7 @@
 """The packing engine: which documents go into which row, and the rules of a packed row.
 
 - `binpack`: `pack_sequences`, best-fit decreasing (and its siblings) on the length histogram;
+- `bin_groups`: the decreasing strategies' bins grouped by contents while packing, then bound to document ids;
 - `plan`: `plan_rows`, the rows `pack_dataset` writes (the same bins, in their final order), ~10 bytes a document;
 - `buffered`: `buffered_bins`, the bins of a stream packed a bounded buffer at a time (streamed `pack_dataset`);
 - `templates`: a plan as bin templates, and documents handed to their slots a chunk of rows at a time;
