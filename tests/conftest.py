@@ -31,6 +31,9 @@ def hook_undone():
     process sees. Reports what was left, then undoes it so that one leak does not fail the tests after it."""
     yield
     _fail_if_left(_hook_state_left)
+    registry = sys.modules.get("llm_packing.hook.registry")
+    if registry is not None:  # what a `DataCollatorWithPacking` keeps until `unconfigure_packing`: Trainer's columns
+        registry.restore_all()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -199,6 +199,21 @@ class TestPackDatasetBadOptions:
         with pytest.raises(PackingValueError, match=r"`overflow` must be one of \('error', .* got 'wrap'"):
             pack(container, SMALL, overflow="wrap")
 
+    @pytest.mark.parametrize("container", CONTAINERS)
+    @pytest.mark.parametrize("name", ["return_position_ids", "keep_in_memory", "return_stats",
+                                      "load_from_cache_file"])
+    @pytest.mark.parametrize("value", ["no", 0, 1.0])
+    def test_boolean_options_take_bools(self, container, name, value):
+        """A string such as "no" is true: taken as given it did the opposite of what was asked."""
+        with pytest.raises(PackingTypeError, match=rf"`{name}` must be a bool \(True or False\).*got {shown(value)}"):
+            pack(container, SMALL, **{name: value})
+        assert_packs_normally(container)
+
+    @pytest.mark.parametrize("name", ["return_position_ids", "keep_in_memory", "load_from_cache_file"])
+    def test_epochs_boolean_options_take_bools(self, name):
+        with pytest.raises(PackingTypeError, match=rf"`{name}` must be a bool \(True or False\).*got 'no'"):
+            dataset_module.PackedDatasetEpochs(Dataset.from_dict(SMALL), 4, **{name: "no"})
+
     @pytest.mark.parametrize("dataset", [[{"input_ids": [1]}], "input_ids", None, datasets.Features()])
     def test_not_a_dataset(self, dataset):
         with pytest.raises(PackingTypeError, match=rf"`dataset` must be a datasets .* got {type(dataset).__name__}"):

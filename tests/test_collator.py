@@ -254,9 +254,9 @@ class TestMismatches:
 
 class TestWorkerProcesses:
     """A DataLoader worker started by `spawn` (macOS, Windows) is a fresh process whose hook registry is empty: the
-    collator goes by whether packing was configured when it was built, and travels pickled with that record."""
+    collator travels pickled with whether packing was configured in the main process when the workers started."""
 
-    def test_configured_when_built_counts_in_a_worker(self, monkeypatch):
+    def test_configured_when_sent_counts_in_a_worker(self, monkeypatch):
         monkeypatch.setattr(patch, "is_packing_configured", lambda: True)
         collator = pickle.loads(pickle.dumps(DataCollatorWithPacking()))
         monkeypatch.setattr(patch, "is_packing_configured", lambda: False)  # as in a spawned worker
@@ -270,31 +270,40 @@ class TestWorkerProcesses:
         with pytest.raises(ContaminationError, match=r"configure_packing\(model\)"):
             collator(ROWS)
 
-    def test_built_before_configuring_is_refused_in_a_worker(self, monkeypatch):
-        monkeypatch.setattr(patch, "is_packing_configured", lambda: False)
+    @pytest.mark.parametrize("configured_when_sent", [True, False])
+    def test_a_worker_goes_by_the_main_process_when_the_workers_start(self, monkeypatch, configured_when_sent):
+        """Not when the collator was built: `PackedSFTTrainer` builds its collator, then configures the model."""
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: not configured_when_sent)
         collator = DataCollatorWithPacking()
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: configured_when_sent)
+        sent = pickle.loads(pickle.dumps(collator))
+        monkeypatch.setattr(patch, "is_packing_configured", lambda: False)  # the worker's fresh registry
         monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
-        with pytest.raises(ContaminationError, match=r"In a DataLoader worker process .* when it was built: build "
-                                                     r"it after `configure_packing\(model\)`"):
-            collator(ROWS)
+        if configured_when_sent:
+            assert sent(ROWS)["attention_mask"].tolist() == [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]]
+            return
+        with pytest.raises(ContaminationError, match=r"In a DataLoader worker process .* when the workers started"):
+            sent(ROWS)
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("configured_first", [True, False])
-    def test_spawned_worker(self, configured_first):
+    @pytest.mark.parametrize("order", ["configured, built", "built, configured", "configured, built, unconfigured"])
+    def test_spawned_worker(self, order):
         from tiny_models import tiny_model
 
         from llm_packing import configure_packing, unconfigure_packing
 
         model = tiny_model("llama")
         try:
-            if configured_first:
+            if order.startswith("configured"):
                 configure_packing(model)
             collator = DataCollatorWithPacking()
-            if not configured_first:  # configured in the main process since, but not when the collator was built
+            if order == "built, configured":  # PackedSFTTrainer's order
                 configure_packing(model)
+            if order.endswith("unconfigured"):
+                unconfigure_packing()
             loader = torch.utils.data.DataLoader(ROWS, batch_size=2, collate_fn=collator, num_workers=1,
                                                  multiprocessing_context="spawn")
-            if configured_first:
+            if not order.endswith("unconfigured"):
                 assert next(iter(loader))["attention_mask"].tolist() == [[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]]
             else:
                 with pytest.raises(ContaminationError, match=r"DataLoader worker process"):

@@ -81,7 +81,7 @@ def record_log_probs(trainer, calls):
     if trainer.ref_model is not None:
         models_.append(trainer.ref_model)
     trainer.packs = []
-    for model in models_:
+    for model in (getattr(model, "_orig_mod", model) for model in models_):  # what `torch.compile` wraps
         forward = model.forward
         trainer.packs.append(getattr(getattr(forward, "__func__", None), "_packs_padded_batches", False))
 
@@ -148,6 +148,13 @@ def test_every_step_equals_trl_with_a_reference_model(tmp_path):
     initial = AutoModelForCausalLM.from_config(LlamaConfig(**TINY))
     moved = max((a - b).abs().max() for a, b in zip(padded.model.parameters(), initial.parameters(), strict=True))
     assert moved > 1e-2  # plain SGD moved the weights: later steps check a policy that differs from the reference
+
+
+def test_torch_compile_equals_trl(tmp_path):
+    """`torch_compile=True` (dynamo on `aot_eager` here): the trainer packs the compiled module's own model, not the
+    compile wrapper (it was refused: "has no fused LM head"), and every step equals TRL's compiled run."""
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    assert_same_run(train(tmp_path, packed=True, **compiled), train(tmp_path, packed=False, **compiled))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2"])

@@ -3,6 +3,8 @@ refuses), `PackedSFTTrainer` (exact: no row cut, documents isolated, same first-
 setting that `PackedSFTTrainer` refuses, with its message."""
 
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from llm_packing import (
     PackingTypeError,
     PackingValueError,
     configure_packing,
+    is_packing_configured,
     pack_dataset,
     unconfigure_packing,
 )
@@ -210,6 +213,53 @@ def test_the_trainers_check_runs_under_the_training_autocast(tmp_path, tokenizer
     assert seen == [(True, torch.bfloat16), (False, torch.bfloat16)]
 
 
+def test_unconfiguring_while_dataloader_workers_run_is_refused(tmp_path, tokenizer):
+    """`unconfigure_packing()` after the first step, with a DataLoader worker started while packing was configured:
+    the worker's collator cannot see the main process, so the trainer refuses the next packed batch itself (it used to
+    train on, the documents attending to each other)."""
+    from transformers import TrainerCallback
+
+    class Unconfigure(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            unconfigure_packing()
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=1, dataloader_num_workers=1,
+                     **QUIET)
+    trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),
+                               processing_class=tokenizer, callbacks=[Unconfigure()], verify_packing=False)
+    with pytest.raises(ContaminationError, match="packing is not configured any more"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+@pytest.mark.slow
+def test_spawned_dataloader_workers_train(tmp_path, tokenizer):
+    """DataLoader workers started by `spawn` (macOS and Windows' default): `PackedSFTTrainer` builds its collator
+    before configuring the model, and the workers, whose registry is fresh, go by the main process as they start
+    (they refused every batch when they went by the collator's construction)."""
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, dataloader_num_workers=1,
+                     dataloader_prefetch_factor=1, **QUIET)
+    trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),
+                               processing_class=tokenizer, verify_packing=False)
+    loader = trainer.get_train_dataloader()
+    # This platform forks by default; accelerate's loader wraps torch's.
+    getattr(loader, "base_dataloader", loader).multiprocessing_context = "spawn"
+    batches = list(itertools.islice(loader, 2))
+    assert all(int(batch["attention_mask"].max()) > 1 for batch in batches)
+
+
+@pytest.mark.parametrize("trainer", ["PackedSFTTrainer", "PackedDPOTrainer", "PackedGRPOTrainer",
+                                     "PackedRewardTrainer"])
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_verify_packing_takes_a_bool(trainer, value):
+    """"false" is true: the check ran when asked not to, and `None` or 0 skipped it without a word."""
+    import llm_packing
+
+    positional = {"PackedDPOTrainer": (None,), "PackedGRPOTrainer": (None,)}.get(trainer, ())
+    with pytest.raises(PackingTypeError, match=rf"`verify_packing` must be a bool \(True or False\), got {value!r}"):
+        getattr(llm_packing, trainer)(None, *positional, verify_packing=value)
+
+
 def test_packed_sft_trainer_leaves_the_callers_config_alone(tmp_path, tokenizer):
     args = SFTConfig(output_dir=str(tmp_path), **QUIET)
     trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=pack_dataset(documents(), MAX_LENGTH),
@@ -396,7 +446,7 @@ def test_plain_trainer_with_its_defaults_collates_the_documents_of_packed_rows(t
     from llm_packing.hook import trainer_columns
 
     if not keeps_columns:
-        monkeypatch.setattr(trainer_columns, "keep_packing_columns", lambda: None)
+        monkeypatch.setattr(trainer_columns, "keep_packing_columns", lambda **options: None)
     model = tiny_model()
     configure_packing(model)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, **QUIET)
@@ -406,6 +456,29 @@ def test_plain_trainer_with_its_defaults_collates_the_documents_of_packed_rows(t
     assert max(packed_documents) > 1
     expected = packed_documents if keeps_columns else [1] * len(packed_documents)
     assert sorted(documents_per_row) == sorted(expected)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_plain_trainer_keeps_the_columns_for_the_collator_of_an_unconfigured_model(tmp_path, padding_free):
+    """`configure_packing` forgotten, `Trainer`'s defaults: building `DataCollatorWithPacking` keeps `seq_lengths` (it
+    used to be dropped, and each packed row trained as one document, silently), so the collator refuses the packed
+    rows; with `padding_free=True`, meant for an unconfigured model, it restarts positions per document. Building it
+    does not make packing configured, and `unconfigure_packing` restores `Trainer`."""
+    from transformers import Trainer, TrainingArguments
+
+    original = Trainer._set_signature_columns_if_needed
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, **QUIET)
+    collator = DataCollatorWithPacking(padding_free=padding_free)
+    assert not is_packing_configured()
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=packed_rows(), data_collator=collator)
+    if not padding_free:
+        with pytest.raises(ContaminationError, match="the model hook is not applied"):
+            next(iter(trainer.get_train_dataloader()))
+    else:
+        positions = torch.cat([batch["position_ids"][0] for batch in trainer.get_train_dataloader()])
+        assert int((positions == 0).sum()) == sum(len(row) for row in packed_rows()["seq_lengths"])
+    unconfigure_packing()
+    assert Trainer._set_signature_columns_if_needed is original
 
 
 def test_a_trainer_imported_after_configuring_keeps_the_columns_through_the_collator(monkeypatch):

@@ -17,7 +17,7 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from ..core.binpack import pack_sequences
-from ..core.checks import check_integer
+from ..core.checks import check_bool, check_integer
 from ..core.rows import (
     IGNORE_INDEX,
     MASK_COLUMNS,
@@ -117,12 +117,7 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     def __post_init__(self):
         for name in _BOOLEAN_OPTIONS:
-            value = getattr(self, name)
-            if not isinstance(value, (bool, np.bool_)):
-                raise PackingTypeError(
-                    f"`{name}` must be a bool (True or False), got {value!r} of type {type(value).__name__}. Pass "
-                    f"`{name}=True` or `{name}=False`, not a string or a number."
-                )
+            check_bool(name, getattr(self, name))
         check_integer("pad_token_id", self.pad_token_id, minimum=0, meaning="padding is embedded like any token",
                       fix="Use the tokenizer's: `tokenizer.pad_token = tokenizer.eos_token` if it has none, then "
                       "`pad_token_id=tokenizer.pad_token_id`.")
@@ -138,10 +133,16 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "
                 "are laid out with an indexed `attention_mask`. Leave both off."
             )
-        # Travels with the collator when a DataLoader pickles it into a worker process, where the hook's registry
-        # of a `spawn`ed worker is fresh and says nothing of the model in the main process.
-        self._configured_when_built = _hook_configured()
         _keep_trainer_columns()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled into a DataLoader worker started by `spawn` (macOS, Windows) or `forkserver`, whose hook registry is
+        fresh and says nothing of the model in the main process: the collator carries whether packing is configured
+        there as the workers start. (A `fork`ed worker inherits the registry itself.)"""
+        state = self.__dict__.copy()
+        if torch.utils.data.get_worker_info() is None:
+            state["_configured_when_sent"] = _hook_configured()
+        return state
 
     def torch_call(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         if self.processor is not None:
@@ -236,15 +237,16 @@ class DataCollatorWithPacking(DataCollatorMixin):
         ]
 
     def _check_model_configured(self) -> None:
-        if _hook_configured() or (self._configured_when_built and torch.utils.data.get_worker_info() is not None):
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if _hook_configured() or (in_worker and getattr(self, "_configured_when_sent", False)):
             return
         raise ContaminationError(
             "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
             "the model hook is not applied: transformers would merge the documents into one. Call "
             "`llm_packing.configure_packing(model)` before training, or use `padding_free=True` for an "
             "unconfigured model (`check_model_configured=False` if you apply the hook yourself). In a DataLoader "
-            "worker process the collator goes by whether the hook was applied when it was built: build it after "
-            "`configure_packing(model)`."
+            "worker process the collator goes by whether the hook was applied in the main process when the workers "
+            "started: configure the model before iterating the DataLoader."
         )
 
 
@@ -260,12 +262,13 @@ def _hook_configured() -> bool:
 
 
 def _keep_trainer_columns() -> None:
-    """While packing is configured, a `transformers.Trainer` imported since keeps `seq_lengths` for this collator
-    (`llm_packing.hook.trainer_columns`; through the hook's registry, so `unconfigure_packing` undoes it)."""
+    """A `transformers.Trainer` keeps `seq_lengths` for this collator (`llm_packing.hook.trainer_columns`; through the
+    hook's registry, so `unconfigure_packing` undoes it). Where nothing is configured it still does, without making
+    packing configured: with its default `remove_unused_columns=True` the rows of `pack_dataset` would otherwise
+    arrive whole, each taken as one document, instead of being refused for the unconfigured model."""
     from ..hook import registry, trainer_columns
 
-    if registry.is_active():
-        trainer_columns.keep_packing_columns()
+    trainer_columns.keep_packing_columns(configures=registry.is_active())
 
 
 def _example(feature: dict[str, Any], index: int, raw: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -204,9 +204,10 @@ def pack_trainer_models(trainer, *, max_length: int | None, verify: bool) -> Non
     For a TRL trainer that built its fused LM heads (DPO, GRPO): [`~llm_packing.configure_packing`] on the policy and
     the reference model, [`pack_fused_lm_head`] on both, then [`~llm_packing.verify_packing`] on the policy (logged).
     """
-    models = [trainer.accelerator.unwrap_model(trainer.model)]
+    # Under `torch_compile=True` the module `torch.compile` wraps: its own `forward` is what the compiled one calls.
+    models = [trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)]
     if getattr(trainer, "ref_model", None) is not None:
-        models.append(trainer.accelerator.unwrap_model(trainer.ref_model))
+        models.append(trainer.accelerator.unwrap_model(trainer.ref_model, keep_torch_compile=False))
     for model in models:
         # TRL adds the fused head to the model under PEFT's wrapper.
         pack_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model,

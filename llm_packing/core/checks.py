@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ..errors import PackingValueError
+from ..errors import PackingTypeError, PackingValueError
 
 
 def check_integer(name: str, value, *, minimum: int = 1, optional: bool = False, meaning: str | None = None,
@@ -53,3 +53,28 @@ def check_choice(name: str, value, allowed: tuple, *, fix: str | None = None) ->
     """
     if value not in allowed:
         raise PackingValueError(f"`{name}` must be one of {tuple(allowed)}, got {value!r}.{f' {fix}' if fix else ''}")
+
+
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    """
+    Raise [`~llm_packing.errors.PackingTypeError`] unless `value` is a bool (numpy's too), or `None` when `optional`:
+    a string such as `"false"` is true, so taking truthiness would do the opposite of what was asked.
+
+    Example:
+    ```python
+    >>> check_bool("verify_packing", False)
+    >>> from llm_packing.errors import PackingTypeError
+    >>> try:
+    ...     check_bool("verify_packing", "false")
+    ... except PackingTypeError as error:
+    ...     print(str(error).split(". ")[0])
+    `verify_packing` must be a bool (True or False), got 'false' of type str
+
+    ```
+    """
+    if isinstance(value, (bool, np.bool_)) or (optional and value is None):
+        return
+    raise PackingTypeError(
+        f"`{name}` must be a bool (True or False){' or None' if optional else ''}, got {value!r} of type "
+        f"{type(value).__name__}. Pass `{name}=True` or `{name}=False`, not a string or a number."
+    )

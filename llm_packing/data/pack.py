@@ -18,7 +18,7 @@ import pyarrow as pa
 from datasets.utils.tqdm import tqdm
 
 from ..core.binpack import seed_from_components
-from ..core.checks import check_integer
+from ..core.checks import check_bool, check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.plan import plan_rows
 from ..core.rows import MASK_COLUMNS, already_packed_error
@@ -157,6 +157,10 @@ def pack_dataset(
     """
     check_max_length(max_length)
     check_overflow_policy(overflow)
+    for name, value in (("return_position_ids", return_position_ids), ("keep_in_memory", keep_in_memory),
+                        ("return_stats", return_stats)):
+        check_bool(name, value)
+    check_bool("load_from_cache_file", load_from_cache_file, optional=True)
     check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
     options = {"strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
@@ -282,6 +286,9 @@ class PackedDatasetEpochs:
     ):
         check_max_length(max_length)
         check_overflow_policy(overflow)
+        check_bool("return_position_ids", return_position_ids)
+        check_bool("keep_in_memory", keep_in_memory)
+        check_bool("load_from_cache_file", load_from_cache_file, optional=True)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
         if "seq_lengths" in dataset.column_names:

@@ -60,21 +60,25 @@ class _Replacement:
     original: Any  # `_MISSING` if the owner had no own value
     replacement: Any
     is_item: bool = False
+    configures: bool = True  # False: kept for a `DataCollatorWithPacking` while nothing is configured ([`is_active`])
 
 
 _replacements: list[_Replacement] = []
 _swept: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement), replaced in every module
 _hooks: dict[tuple[int, str, str], Any] = {}  # (id(module), kind, "pre" or "post") -> its forward (pre-)hook's handle
 _on_import: dict[str, Callable[[], None]] = {}  # module name -> the patch to run once that module has run
+_configuring_imports: set[str] = set()  # those of `_on_import` that configure packing ([`is_active`])
 _configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
 
 
-def replace_attribute(owner, name: str, replacement) -> None:
-    """Set `owner.name = replacement`, remembering what was there (idempotent for the same replacement)."""
+def replace_attribute(owner, name: str, replacement, *, configures: bool = True) -> None:
+    """Set `owner.name = replacement`, remembering what was there (idempotent for the same replacement). With
+    `configures=False` the replacement alone does not make packing configured ([`is_active`]); it is undone with the
+    rest."""
     current = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
     if current is replacement:
         return
-    _replacements.append(_Replacement(owner, name, current, replacement))
+    _replacements.append(_Replacement(owner, name, current, replacement, configures=configures))
     setattr(owner, name, replacement)
 
 
@@ -130,14 +134,16 @@ def replaced_objects() -> list[tuple[Any, Any]]:
     return found
 
 
-def patch_on_import(module_name: str, patch: Callable[[], None]) -> None:
+def patch_on_import(module_name: str, patch: Callable[[], None], *, configures: bool = True) -> None:
     """Run `patch` now if `module_name` is imported, else as soon as it is (an import finder in `sys.meta_path`,
     removed at [`restore_all`]), so that the order of a notebook's imports does not matter. `patch` must be
-    idempotent: it also runs again if the module is imported again."""
+    idempotent: it also runs again if the module is imported again. `configures` as for [`replace_attribute`]."""
     if module_name in sys.modules:
         patch()
         return
     _on_import[module_name] = patch
+    if configures:
+        _configuring_imports.add(module_name)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
 
@@ -189,13 +195,16 @@ def configured_model_types() -> list[str]:
 
 
 def is_active() -> bool:
-    return bool(_replacements or _swept or _hooks or _on_import)
+    """Whether anything the hook configures is in place (`is_packing_configured`): not the `Trainer` column patch of a
+    `DataCollatorWithPacking` built while nothing is configured."""
+    return bool(_swept or _hooks or _configuring_imports or any(entry.configures for entry in _replacements))
 
 
 def restore_all() -> None:
     """Undo every replacement, newest first; safe to call twice."""
     _configured_model_types.clear()
     _on_import.clear()
+    _configuring_imports.clear()
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     while _hooks:

@@ -4,9 +4,10 @@ With its default `remove_unused_columns=True`, `Trainer` drops every dataset col
 not name before the collator sees a row. `seq_lengths` is one: a `pack_dataset` row then reached
 `DataCollatorWithPacking` as a single example, one document of the whole row, with positions running on and an
 all-ones mask, so its documents attended to each other and each learned to predict the next one's first token,
-silently (the collator takes examples without `seq_lengths` as unpacked). While packing is configured, `Trainer`'s
-own choice of columns keeps `seq_lengths` too: the collator consumes it and never hands it to the model. TRL's trainers
-choose their columns themselves (and keep it), so only `Trainer`'s default is extended.
+silently (the collator takes examples without `seq_lengths` as unpacked). While packing is configured, or once a
+`DataCollatorWithPacking` is built (so that it sees packed rows, and refuses them for an unconfigured model),
+`Trainer`'s own choice of columns keeps `seq_lengths` too: the collator consumes it and never hands it to the model.
+TRL's trainers choose their columns themselves (and keep it), so only `Trainer`'s default is extended.
 
 `transformers.trainer` is never imported here: importing it costs about a second and, with DeepSpeed installed, prints
 DeepSpeed's accelerator line into a `verify` run's output. `configure_packing` and `DataCollatorWithPacking` both call
@@ -25,18 +26,22 @@ PACKING_COLUMNS = ("seq_lengths",)
 _TRAINER_MODULE = "transformers.trainer"
 
 
-def keep_packing_columns() -> None:
+def keep_packing_columns(*, configures: bool = True) -> None:
     """Extend `transformers.Trainer`'s kept columns with `PACKING_COLUMNS`, now if `transformers.trainer` is imported,
-    else when it is (idempotent; restored through the registry)."""
-    registry.patch_on_import(_TRAINER_MODULE, _extend_trainer_columns)
+    else when it is (idempotent; restored through the registry). `configures=False` for a `DataCollatorWithPacking`
+    built while nothing is configured: the collator must see `seq_lengths` to refuse packed rows then, but the patch
+    does not make packing configured."""
+    registry.patch_on_import(_TRAINER_MODULE, functools.partial(_extend_trainer_columns, configures),
+                             configures=configures)
 
 
-def _extend_trainer_columns() -> None:
+def _extend_trainer_columns(configures: bool) -> None:
     trainer = sys.modules[_TRAINER_MODULE]
     original = trainer.Trainer._set_signature_columns_if_needed
     if not registry.is_ours(original):
         replacement = registry.ours(_keeping_packing_columns(original), eager=False)
-        registry.replace_attribute(trainer.Trainer, "_set_signature_columns_if_needed", replacement)
+        registry.replace_attribute(trainer.Trainer, "_set_signature_columns_if_needed", replacement,
+                                   configures=configures)
 
 
 def refuse_packed_rows_in_flattening_collator() -> None:

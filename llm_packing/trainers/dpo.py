@@ -14,6 +14,7 @@ from trl import DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..batches.padded_forward import pack_trainer_models
+from ..core.checks import check_bool
 from ..errors import PackingValueError, SequenceTooLongError
 
 
@@ -64,6 +65,7 @@ class PackedDPOTrainer(DPOTrainer):
     """
 
     def __init__(self, model, ref_model=None, args=None, *positional, verify_packing: bool = True, **kwargs):
+        check_bool("verify_packing", verify_packing)
         super().__init__(model, ref_model, args, *positional, **kwargs)
         max_length = self.args.max_length
         for name, dataset in _named_datasets(self.train_dataset, self.eval_dataset):

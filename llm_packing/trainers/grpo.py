@@ -9,6 +9,7 @@ unchanged. """
 from trl import GRPOTrainer
 
 from ..batches.padded_forward import pack_trainer_models
+from ..core.checks import check_bool
 
 
 class PackedGRPOTrainer(GRPOTrainer):
@@ -31,5 +32,6 @@ class PackedGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs, args=None, *positional, verify_packing: bool = True, **kwargs):
+        check_bool("verify_packing", verify_packing)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
         pack_trainer_models(self, max_length=None, verify=verify_packing)

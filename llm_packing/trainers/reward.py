@@ -15,6 +15,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl import RewardTrainer
 
 from ..batches.padded_forward import PaddedToPacked, pack_padded_batch
+from ..core.checks import check_bool
 from ..errors import ContaminationError, PackingValueError, UnsupportedSetupError
 from ..hook.configure import is_packing_configured
 from ..hook.verify import configure_and_verify
@@ -38,6 +39,7 @@ class PackedRewardTrainer(RewardTrainer):
     """
 
     def __init__(self, model, args=None, *positional, verify_packing: bool = True, **kwargs):
+        check_bool("verify_packing", verify_packing)
         super().__init__(model, args, *positional, **kwargs)
         model = self.accelerator.unwrap_model(self.model)
         scorer = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the head model

@@ -19,10 +19,11 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
 from ..batches.collator import DataCollatorWithPacking
-from ..core.checks import check_integer
+from ..core.checks import check_bool, check_integer
 from ..core.overflow import check_overflow_policy
 from ..data.metadata import packed_max_length
-from ..errors import PackingTypeError, PackingValueError, UnsupportedSetupError
+from ..errors import ContaminationError, PackingTypeError, PackingValueError, UnsupportedSetupError
+from ..hook.configure import is_packing_configured
 from ..hook.verify import configure_and_verify
 from . import neftune, sequence_parallel
 from .image_text import PACKED_COLUMNS, longest_row, prepare_image_text
@@ -133,6 +134,7 @@ class PackedSFTTrainer(SFTTrainer):
         if overflow is not None:
             check_overflow_policy(overflow)
         check_integer("max_docs_per_bin", max_docs_per_bin, optional=True, meaning="documents per packed row")
+        check_bool("verify_packing", verify_packing)
         check_integer("sequence_parallel_size", sequence_parallel_size, meaning="ranks a packed row is cut across")
         self._sequence_parallel = (sequence_parallel_size, None)  # (N, this rank's group once configured)
         args = _sft_config(args, model)
@@ -224,6 +226,7 @@ class PackedSFTTrainer(SFTTrainer):
         """TRL's loss; under sequence parallelism, on this rank's piece of the batch (training only: evaluation runs
         whole rows on every rank). TRL's `num_tokens` log counts tokens, not the indexed mask's sum
         (`token_counts.py`)."""
+        _refuse_documents_without_the_hook(inputs)
         group = self._sequence_parallel[1]
         if group is not None and model.training:
             inputs, num_items_in_batch = sequence_parallel.piece_of(inputs, group, num_items_in_batch)
@@ -264,6 +267,19 @@ class PackedSFTTrainer(SFTTrainer):
         where = f"[rank {self.args.process_index}/{self.args.world_size}] " if self.args.world_size > 1 else ""
         configure_and_verify(self.model, verify=verify, where=where, processor=processor,
                              autocast=self.accelerator.autocast)
+
+
+def _refuse_documents_without_the_hook(inputs) -> None:
+    """A batch of packed rows (an indexed mask) reaching the model after `unconfigure_packing()`: the collator checks
+    each batch, but a DataLoader worker goes by the main process when the workers started."""
+    mask = inputs.get("attention_mask")
+    if mask is None or is_packing_configured() or mask.dim() != 2 or int(mask.max()) <= 1:
+        return
+    raise ContaminationError(
+        "PackedSFTTrainer got a batch of packed rows (an indexed `attention_mask` with several documents a row), but "
+        "packing is not configured any more (`unconfigure_packing()` during training?): the documents would attend "
+        "to each other. Call `llm_packing.configure_packing(trainer.model)` again before training on."
+    )
 
 
 def _sft_config(args, model) -> SFTConfig:
