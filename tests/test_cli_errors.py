@@ -7,7 +7,7 @@ import pytest
 from test_train import write_recipe
 
 from llm_packing import __version__, cli
-from llm_packing.cli.train import _training_arguments_refusal, parse_args
+from llm_packing.cli.train_arguments import _training_arguments_refusal, parse_args
 from llm_packing.errors import PackingValueError
 
 
