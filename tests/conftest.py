@@ -12,6 +12,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed (the [test] extra) prints its accelerator guess on stdout when first imported (accelerate imports it to
+# unwrap a model), which fails whichever doctest happens to import it first in a process; named, it prints nothing.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # The bundled SmolLM2's conversion (llm_packing/demo/pretrained.py), kept out of the user's own cache and shared by the
 # xdist workers and the subprocesses they start: converted once per machine, not once per load.
 os.environ.setdefault("LLM_PACKING_CACHE", os.path.join(tempfile.gettempdir(), "llm_packing-tests-cache"))

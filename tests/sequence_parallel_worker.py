@@ -105,19 +105,23 @@ TRAINER_DOCUMENT_LENGTHS = (5, 1, 7, 3, 9, 2, 1, 6, 8, 4, 11, 2, 3)
 TRAINER_ROW_LENGTH = 18
 
 
-def packed_dataset():
+def packed_dataset(document_lengths=TRAINER_DOCUMENT_LENGTHS):
     from datasets import Dataset
 
     from llm_packing import pack_dataset
 
     generator = torch.Generator().manual_seed(1)
     documents = [torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
-                 for length in TRAINER_DOCUMENT_LENGTHS]
+                 for length in document_lengths]
     return pack_dataset(Dataset.from_dict({"input_ids": documents}), TRAINER_ROW_LENGTH)
 
 
 def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int, path: str,
-                   checkpointing: bool = False, bf16: bool = False) -> None:
+                   checkpointing: bool = False, bf16: bool = False, document_lengths=TRAINER_DOCUMENT_LENGTHS,
+                   **overrides) -> None:
+    """One SGD step of `PackedSFTTrainer` (or what `overrides` of its SFTConfig make it train) on the documents of
+    `document_lengths`, packed; rank 0 saves the parameters, the logged token counts and whether the trainer's
+    isolation check ran under autocast."""
     import os
     import tempfile
 
@@ -144,24 +148,26 @@ def train_one_step(rank: int, world: int, port: int, sequence_parallel_size: int
         return check(model, group, **options)
 
     trainer_sequence_parallel.verify_sequence_parallel = recording_check
-    args = SFTConfig(
-        output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
-        lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True,
-        bf16=bf16, activation_checkpointing=checkpointing, report_to="none", save_strategy="no",
-        logging_strategy="steps", logging_steps=1, include_num_input_tokens_seen="non_padding",
-        max_length=TRAINER_ROW_LENGTH, ddp_find_unused_parameters=False, disable_tqdm=True,
-    )
+    args = SFTConfig(**{
+        "output_dir": tempfile.mkdtemp(), "max_steps": 1, "per_device_train_batch_size": 2, "learning_rate": 1.0,
+        "optim": "sgd", "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "train_sampling_strategy": "sequential",
+        "use_cpu": True, "bf16": bf16, "activation_checkpointing": checkpointing, "report_to": "none",
+        "save_strategy": "no", "logging_strategy": "steps", "logging_steps": 1,
+        "include_num_input_tokens_seen": "non_padding", "max_length": TRAINER_ROW_LENGTH,
+        "ddp_find_unused_parameters": False, "disable_tqdm": True, **overrides,
+    })
     try:
         trainer = PackedSFTTrainer(
-            model=model, args=args, train_dataset=packed_dataset(), processing_class=load_demo_tokenizer(),
+            model=model, args=args, train_dataset=packed_dataset(document_lengths),
+            processing_class=load_demo_tokenizer(),
             data_collator=DataCollatorWithPacking(pad_token_id=0, max_length=TRAINER_ROW_LENGTH),
             sequence_parallel_size=sequence_parallel_size,
         )
         trainer.train()
         if rank == 0:
-            (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+            logged = [entry for entry in trainer.state.log_history if "loss" in entry]
             torch.save({"parameters": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
-                        "counts": (logged["num_tokens"], logged["num_input_tokens_seen"]),
+                        "counts": [(entry["num_tokens"], entry["num_input_tokens_seen"]) for entry in logged],
                         "check under autocast": under_autocast}, path)
     finally:
         trainer_sequence_parallel.verify_sequence_parallel = check
@@ -225,3 +231,43 @@ def verify_checks(rank: int, world: int, port: int, path: str, model_name: str) 
     if rank == 0:
         torch.save(results, path)
 
+
+
+def mistakes(rank: int, world: int, port: int, path: str) -> None:
+    """Sequence parallelism's plain API misused on 2 ranks; rank 0 saves per mistake the error raised (type, message)
+    or None where nothing was raised."""
+    from llm_packing.errors import PackingError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    model = tiny_model("llama", "sdpa", num_key_value_heads=2)
+    straddling = ((5, 1, 7, 3), (9, 2, 1, 6))
+    batches = {
+        "same batch": (packed_rows(straddling), rank),
+        "another batch, same layout": (packed_rows(straddling, seed=rank), rank),
+        "another row length": (packed_rows(straddling if rank == 0 else ((5, 1, 7, 3, 2), (9, 2, 1, 6))), rank),
+        "rank 0 on every rank": (packed_rows(straddling), 0),
+    }
+    results = {}
+    try:
+        configure_sequence_parallel(model, world)
+        for name, (batch, claimed_rank) in batches.items():
+            try:
+                piece = shard_packed_batch(batch, claimed_rank, world)
+                model(**piece)
+                results[name] = None
+            except PackingError as error:
+                results[name] = (type(error).__name__, str(error))
+        unconfigure_packing()
+        only_rank_0 = dist.new_group([0])  # collective: every rank creates it
+        try:
+            configure_sequence_parallel(model, 1 if rank == 0 else world, group=only_rank_0)
+            results["a group without this rank"] = None
+        except PackingError as error:
+            results["a group without this rank"] = (type(error).__name__, str(error))
+    finally:
+        unconfigure_packing()
+        dist.destroy_process_group()
+    if rank == 1:
+        torch.save(results, path)

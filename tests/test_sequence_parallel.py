@@ -9,6 +9,7 @@ heads than ranks), Qwen3, and Qwen2 with a 4-token sliding window on one layer. 
 rank's piece alone (no global boundaries) and must fail the same comparison.
 """
 
+import functools
 import itertools
 import os
 import re
@@ -184,6 +185,22 @@ def test_verify_sequence_parallel_passes_exact_rows_and_catches_a_leak(tmp_path)
     _assert_verify_checks(_verify_checks(tmp_path, 2, "tiny"))
 
 
+def test_ranks_holding_other_batches_or_pieces_are_refused(tmp_path):
+    """The plain API: ranks of a group given different batches (same shape, or another row length, where the
+    all-to-all would abort the process), or all asking for piece 0, trained on the wrong tokens without an error;
+    `shard_packed_batch` now checks the group (one small all-gather). The same batch with each rank's piece passes."""
+    path = tmp_path / "mistakes.pt"
+    mp.start_processes(worker.mistakes, args=(2, _free_port(), str(path)), nprocs=2, join=True, start_method="fork")
+    results = torch.load(path)
+    assert results["same batch"] is None
+    for name in ("another batch, same layout", "another row length"):
+        assert results[name][0] == "ContaminationError" and "hold different batches" in results[name][1], name
+    assert results["rank 0 on every rank"][0] == "PackingValueError"
+    assert "`shard_packed_batch(..., rank=0, world_size=2)` was called on rank 1" in results["rank 0 on every rank"][1]
+    assert results["a group without this rank"][0] == "UnsupportedSetupError"
+    assert "is not a rank of `group`" in results["a group without this rank"][1]
+
+
 @pytest.mark.slow
 def test_verify_sequence_parallel_on_a_real_model(tmp_path):
     """On SmolLM2-135M over 3 ranks (9 heads), whose rounding noise the fixed limits it had (1e-4 in float32, 1e-2 in
@@ -212,7 +229,7 @@ def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_
     trained = saved["parameters"]
     rows = worker.packed_dataset().select(range(2 * world // sequence_parallel_size))
     tokens = sum(sum(row["seq_lengths"]) for row in rows)
-    assert saved["counts"] == (tokens, tokens), (saved["counts"], tokens)
+    assert saved["counts"] == [(tokens, tokens)], (saved["counts"], tokens)
     model = tiny_model("llama", "sdpa").train()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     losses, targets = 0.0, 0
@@ -229,6 +246,27 @@ def test_trainer_step_equals_documents_alone(tmp_path, world, sequence_parallel_
                      for name, p in model.named_parameters())
     largest = max(p.grad.abs().max().item() for p in model.parameters())
     assert difference <= (5e-2 * largest if bf16 else 1e-5), difference
+
+
+@pytest.mark.parametrize(("documents", "batch_size", "drop_last"), [
+    ("packed", 3, False), ("packed", 3, True), ("one a row", 1, False)])
+def test_an_epoch_logs_the_tokens_of_the_rows_it_trains(tmp_path, documents, batch_size, drop_last):
+    """One epoch on a group of 2 ranks: 4 packed rows in batches of 3, the last completed with the epoch's first
+    rows, or with `dataloader_drop_last=True` dropped, as the trainer's warning says (it was completed anyway); and 3
+    rows of one document filling each. TRL's `num_tokens` counts the tokens of the rows trained, as
+    `num_input_tokens_seen` does (it counted the shard's padding, and halved the epoch's last batch)."""
+    path = tmp_path / "epoch.pt"
+    lengths = worker.TRAINER_DOCUMENT_LENGTHS if documents == "packed" else (worker.TRAINER_ROW_LENGTH,) * 3
+    train = functools.partial(worker.train_one_step, document_lengths=lengths, max_steps=-1, num_train_epochs=1,
+                              per_device_train_batch_size=batch_size, dataloader_drop_last=drop_last)
+    mp.start_processes(train, args=(2, _free_port(), 2, str(path)), nprocs=2, join=True, start_method="fork")
+    rows = [sum(row["seq_lengths"]) for row in worker.packed_dataset(lengths)]
+    indices = list(range(len(rows)))
+    indices += [] if drop_last else indices[: -len(rows) % batch_size]
+    batches = [indices[first : first + batch_size] for first in range(0, len(indices) // batch_size * batch_size,
+                                                                         batch_size)]
+    tokens = list(itertools.accumulate(sum(rows[index] for index in batch) for batch in batches))
+    assert torch.load(path)["counts"] == [(total, total) for total in tokens]
 
 
 @pytest.mark.slow

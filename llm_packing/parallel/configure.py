@@ -77,6 +77,12 @@ def configure_sequence_parallel(model, sequence_parallel_size: int, *, group=Non
             "CUDA in bfloat16 that route runs torch's FlashAttention varlen kernel)."
         )
     group = sequence_parallel_group(sequence_parallel_size) if group is None else group
+    if dist.get_rank(group) < 0:
+        raise UnsupportedSetupError(
+            f"This process (global rank {dist.get_rank()}) is not a rank of `group`: each rank configures the group "
+            "it belongs to. Pass this rank's group (`llm_packing.parallel.sequence_parallel_group(N)` on every rank), "
+            "or leave `group` out."
+        )
     if dist.get_world_size(group) != sequence_parallel_size:
         raise UnsupportedSetupError(
             f"`group` has {dist.get_world_size(group)} ranks but `sequence_parallel_size` is "

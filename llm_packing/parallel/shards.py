@@ -11,10 +11,12 @@ row. What must be decided over the whole row is decided before cutting it (peers
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..core.checks import check_integer
 from ..core.rows import IGNORE_INDEX
 from ..errors import ContaminationError, PackingTypeError, PackingValueError, UnsupportedSetupError
+from ..hook.attention import varlen
 from ..hook.masks import document_position_ids, is_integer_mask, validate_document_ids
 
 
@@ -26,7 +28,10 @@ def shard_packed_batch(batch: dict, rank: int, world_size: int) -> dict:
     The piece of a packed batch that rank `rank` of a sequence-parallel group of `world_size` ranks runs.
 
     Rows are padded to a multiple of `world_size` (pad tokens belong to no document and have no target) and cut into
-    `world_size` contiguous pieces; rank `r` keeps piece `r` of every row.
+    `world_size` contiguous pieces; rank `r` keeps piece `r` of every row. While sequence parallelism is configured
+    ([`~llm_packing.configure_sequence_parallel`]) every rank of the group must call this with the same batch: one
+    small collective checks that each holds the batch of the others and asks for its own piece (two ranks running the
+    same piece, or pieces of different batches, would attend to the wrong tokens without an error).
 
     Args:
         batch (`dict`):
@@ -69,6 +74,9 @@ def shard_packed_batch(batch: dict, rank: int, world_size: int) -> dict:
         )
     mask = _indexed_mask(batch)
     _refuse_other_inputs(batch)
+    group = getattr(varlen.sharded_attention, "group", None)
+    if group is not None:
+        _check_the_group_holds_this_batch(batch["input_ids"], mask, rank, world_size, group)
     ids = mask.detach().cpu().numpy().astype(np.int64)
     validate_document_ids(ids)
     positions = document_position_ids(mask)
@@ -93,6 +101,36 @@ def shard_packed_batch(batch: dict, rank: int, world_size: int) -> dict:
         shard["attention_mask"] = shard["attention_mask"].masked_fill(shard["attention_mask"] == 0, 2)
     shard["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     return shard
+
+
+def _check_the_group_holds_this_batch(input_ids, mask, rank: int, world_size: int, group) -> None:
+    """Refuse ranks of `group` holding different batches, or asking for pieces other than their own: one all-gather
+    of each rank's shape, token and mask checksums, and `rank`/`world_size` against its place in the group, on the
+    device the group communicates on. Every rank sees every rank's values, so all raise together."""
+    place = (dist.get_rank(group), dist.get_world_size(group))
+    weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device).view(input_ids.shape)
+    checksums = [(tensor.long().to(weights.device) * weights).sum().cpu() for tensor in (input_ids, mask)]
+    mine = torch.tensor([*input_ids.shape, *checksums, rank, world_size, *place])
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    everyone = [torch.empty_like(mine, device=device) for _ in range(place[1])]
+    dist.all_gather(everyone, mine.to(device), group=group)
+    everyone = [other.tolist() for other in everyone]
+    misplaced = [other[4:] for other in everyone if other[4:6] != other[6:]]
+    if misplaced:
+        claimed_rank, claimed_size, actual_rank, actual_size = misplaced[0]
+        raise PackingValueError(
+            f"`shard_packed_batch(..., rank={claimed_rank}, world_size={claimed_size})` was called on rank "
+            f"{actual_rank} of a sequence-parallel group of {actual_size} ranks: two ranks would run the same piece "
+            "of each row, or a piece would be missing. Pass `rank=torch.distributed.get_rank(group)` and "
+            "`world_size=torch.distributed.get_world_size(group)`."
+        )
+    if any(other[:4] != everyone[0][:4] for other in everyone):
+        raise ContaminationError(
+            f"The ranks of a sequence-parallel group hold different batches (rows, length, token and mask checksums: "
+            f"{[other[:4] for other in everyone]}): their pieces would attend to each other. Give every rank of the "
+            "group the same batch: under `PackedSFTTrainer`, let it build its train dataloader and leave "
+            "accelerate's `split_batches` off; in a loop of your own, load the same batch on each rank of the group."
+        )
 
 
 def _indexed_mask(batch: dict) -> torch.Tensor:

@@ -38,7 +38,9 @@ def sharded_attention(group):
         return all_to_all(output, group, scatter_dim=1, gather_dim=2)
 
     # Like every replacement of the hook, eager inside a compiled model: its layout and collectives are per forward.
-    return registry.outside_graphs(ulysses_attention)
+    attention = registry.outside_graphs(ulysses_attention)
+    attention.group = group  # `shard_packed_batch` checks the group's batches
+    return attention
 
 
 def check_heads(heads: int, world: int, name: str = "num_attention_heads") -> None:

@@ -60,6 +60,8 @@ class PackedDPOTrainer(DPOTrainer):
     torch.Size([4, 9])
     >>> round(trainer.compute_loss(trainer.model, batch).item(), 4)  # packed: one row; policy == reference: ln 2
     0.6931
+    >>> from llm_packing import unconfigure_packing
+    >>> unconfigure_packing()  # the trainer configured the hook process-wide; it stays until undone
 
     ```
     """

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 from transformers.trainer_utils import has_length
 
-from ..errors import ContaminationError, UnsupportedSetupError
+from ..errors import UnsupportedSetupError
 from ..parallel import (
     configure_sequence_parallel,
     sequence_parallel_group,
@@ -28,19 +28,23 @@ class RepeatedBatches(Sampler):
     """
     The indices of a dataset of `size` rows (shuffled by `seed` and the epoch, or in order) in blocks of
     `batch_size`, each block `repeats` times in a row. The last block is completed with the first indices of the
-    epoch (as accelerate's `even_batches` does), so that no block mixes with its copy. Its own generator: every rank
-    draws the same order without relying on the global random state.
+    epoch (as accelerate's `even_batches` does), so that no block mixes with its copy, or with `drop_last` left out.
+    Its own generator: every rank draws the same order without relying on the global random state.
 
     Example:
     ```python
     >>> list(RepeatedBatches(5, batch_size=2, repeats=2, shuffle=False))
     [0, 1, 0, 1, 2, 3, 2, 3, 4, 0, 4, 0]
+    >>> list(RepeatedBatches(5, batch_size=2, repeats=2, shuffle=False, drop_last=True))
+    [0, 1, 0, 1, 2, 3, 2, 3]
 
     ```
     """
 
-    def __init__(self, size: int, batch_size: int, repeats: int, *, shuffle: bool = True, seed: int = 0):
+    def __init__(self, size: int, batch_size: int, repeats: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False):
         self.size, self.batch_size, self.repeats, self.shuffle, self.seed = size, batch_size, repeats, shuffle, seed
+        self.drop_last = drop_last
         self.epoch = 0
 
     def __iter__(self):
@@ -49,14 +53,17 @@ class RepeatedBatches(Sampler):
             indices = torch.randperm(self.size, generator=generator).tolist()
         else:
             indices = list(range(self.size))
-        if len(indices) % self.batch_size:
+        if self.drop_last:
+            del indices[len(indices) - len(indices) % self.batch_size :]
+        elif len(indices) % self.batch_size:
             indices += indices[: self.batch_size - len(indices) % self.batch_size]
         for first in range(0, len(indices), self.batch_size):
             for _ in range(self.repeats):
                 yield from indices[first : first + self.batch_size]
 
     def __len__(self) -> int:
-        return math.ceil(self.size / self.batch_size) * self.batch_size * self.repeats
+        blocks = self.size // self.batch_size if self.drop_last else math.ceil(self.size / self.batch_size)
+        return blocks * self.batch_size * self.repeats
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -97,25 +104,7 @@ def setup(trainer, sequence_parallel_size: int, verify: bool, where: str) -> obj
 def piece_of(inputs: dict, group, num_items_in_batch):
     """This rank's piece of a training batch, and the loss's target count over `N`: Trainer's count (every rank of a
     group counted the group's batch), else the batch's own (DDP averages over `N` ranks what must be their sum)."""
-    _check_same_batch(inputs["input_ids"], group)
     piece = shard_packed_batch(inputs, dist.get_rank(group), dist.get_world_size(group))
     group_count = piece.pop("num_items_in_batch")
     count = group_count if num_items_in_batch is None else num_items_in_batch
     return piece, count / dist.get_world_size(group)
-
-
-def _check_same_batch(input_ids, group) -> None:
-    """Every rank of the group must hold the same rows: the pieces of different batches would attend to each other.
-    One small collective a step compares their shapes and a checksum of their tokens."""
-    weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device)
-    mine = torch.stack([torch.tensor(input_ids.shape[0], device=input_ids.device),
-                        torch.tensor(input_ids.shape[1], device=input_ids.device),
-                        (input_ids.flatten().long() * weights).sum()])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    if any(not torch.equal(other, mine) for other in everyone):
-        raise ContaminationError(
-            f"The ranks of a sequence-parallel group hold different batches (shape, token checksum: "
-            f"{[other.tolist() for other in everyone]}): their pieces would attend to each other. Let the trainer "
-            "build its train dataloader (`sequence_parallel_size` makes it hand each batch to the whole group)."
-        )

@@ -209,23 +209,23 @@ class PackedSFTTrainer(SFTTrainer):
             return super()._get_train_sampler(train_dataset)
         return sequence_parallel.RepeatedBatches(
             len(dataset), self.args.train_batch_size, size, seed=self.args.data_seed or self.args.seed,
-            shuffle=self.args.train_sampling_strategy != "sequential")
+            shuffle=self.args.train_sampling_strategy != "sequential", drop_last=self.args.dataloader_drop_last)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; under sequence parallelism, on this rank's piece of the batch (training only: evaluation runs
         whole rows on every rank). TRL's `num_tokens` log counts tokens, not the indexed mask's sum
         (`token_counts.py`)."""
         _refuse_documents_without_the_hook(inputs)
-        group = self._sequence_parallel[1]
+        rows, group = inputs, self._sequence_parallel[1]
         if group is not None and model.training:
             inputs, num_items_in_batch = sequence_parallel.piece_of(inputs, group, num_items_in_batch)
-        counts_tokens = self.model.training and "attention_mask" in inputs and hasattr(self, "_total_train_tokens")
+        counts_tokens = self.model.training and "attention_mask" in rows and hasattr(self, "_total_train_tokens")
         total_before = self._total_train_tokens if counts_tokens else None
         with neftune.batch_positions(inputs):
             loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        if counts_tokens:  # TRL summed the indexed mask
-            recount_num_tokens(self, inputs, total_before, ranks_per_batch=self._ranks_per_batch())
+        if counts_tokens:  # TRL summed the indexed mask (of a piece's padded rows, under sequence parallelism)
+            recount_num_tokens(self, rows, total_before, ranks_per_batch=self._ranks_per_batch())
         return loss
 
     def train(self, *args, **kwargs):

@@ -27,10 +27,12 @@ def with_binary_mask(inputs: dict) -> dict:
 def recount_num_tokens(trainer, inputs: dict, total_before: int, ranks_per_batch: int = 1) -> None:
     """Set TRL's `num_tokens` after `trainer.compute_loss` counted `inputs` by their mask's sum: `total_before` plus
     the tokens of `inputs` on every rank, as TRL gathers them, divided by the ranks that share a batch (tensor
-    parallelism's, and `ranks_per_batch`: a sequence-parallel group's, whose pieces each carry the whole rows'
-    mask)."""
+    parallelism's, and `ranks_per_batch`: a sequence-parallel group's, each rank holding the whole rows). Gathered
+    whole under sequence parallelism: `gather_for_metrics` would cut the epoch's last batch to the rows accelerate
+    takes for new, and every rank of a group holds the same ones."""
     mask = inputs["attention_mask"]
-    tokens = trainer.accelerator.gather_for_metrics(mask.ne(0).sum()).sum().item()
+    gather = trainer.accelerator.gather if ranks_per_batch > 1 else trainer.accelerator.gather_for_metrics
+    tokens = gather(mask.ne(0).sum()).sum().item()
     trainer._total_train_tokens = total_before + tokens // (getattr(trainer, "_tp_size", 1) * ranks_per_batch)
     trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
