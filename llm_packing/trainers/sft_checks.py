@@ -1,6 +1,6 @@
-"""What `PackedSFTTrainer`'s constructor checks and agrees on before TRL sees its arguments: the SFTConfig settings
-that would undo packing, the datasets and collator it takes, the one `max_length` of the packed rows, the collator and
-the config, and the setups that would cut or mix documents."""
+"""What `PackedSFTTrainer`'s constructor checks before TRL sees its arguments: the SFTConfig settings that would undo
+packing, the datasets and the collator it takes, the one `max_length` that packed rows, collator and config must
+agree on, and the parallelism that would cut or mix documents."""
 
 import logging
 
