@@ -38,6 +38,8 @@ def hook_undone():
     registry = sys.modules.get("llm_packing.hook.registry")
     if registry is not None:  # what a `DataCollatorWithPacking` keeps until `unconfigure_packing`: Trainer's columns
         registry.restore_all()
+        # A test's collators may outlive it in reference cycles: later tests must not keep Trainer's columns for them.
+        sys.modules["llm_packing.hook.trainer_columns"]._collators.clear()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -259,6 +259,10 @@ def mistakes(rank: int, world: int, port: int, path: str) -> None:
                 results[name] = None
             except PackingError as error:
                 results[name] = (type(error).__name__, str(error))
+        # A DataLoader worker (forked) cuts the batch: in no group, it checks nothing (it waited forever).
+        loader = torch.utils.data.DataLoader([packed_rows(straddling)], batch_size=None, num_workers=1,
+                                             collate_fn=lambda batch: shard_packed_batch(batch, rank, world))
+        results["cut in a DataLoader worker"] = tuple(next(iter(loader))["input_ids"].shape)
         unconfigure_packing()
         only_rank_0 = dist.new_group([0])  # collective: every rank creates it
         try:

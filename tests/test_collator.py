@@ -285,6 +285,23 @@ class TestWorkerProcesses:
         with pytest.raises(ContaminationError, match=r"In a DataLoader worker process .* when the workers started"):
             sent(ROWS)
 
+    def test_a_copy_made_while_configured_does_not_speak_for_a_forked_worker(self):
+        """`copy.deepcopy` pickles: the copy carries `_configured_when_sent` from the main process. A worker forked
+        after `unconfigure_packing()` inherits that copy, and must go by its own (inherited) registry instead."""
+        import copy
+
+        from tiny_models import tiny_model
+
+        from llm_packing import configure_packing, unconfigure_packing
+
+        configure_packing(tiny_model("llama"))
+        copied = copy.deepcopy(DataCollatorWithPacking())
+        unconfigure_packing()
+        loader = torch.utils.data.DataLoader(ROWS, batch_size=2, collate_fn=copied, num_workers=1,
+                                             multiprocessing_context="fork")
+        with pytest.raises(ContaminationError, match=r"DataLoader worker process"):
+            next(iter(loader))
+
     @pytest.mark.slow
     @pytest.mark.parametrize("order", ["configured, built", "built, configured", "configured, built, unconfigured"])
     def test_spawned_worker(self, order):

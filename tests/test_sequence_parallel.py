@@ -193,6 +193,7 @@ def test_ranks_holding_other_batches_or_pieces_are_refused(tmp_path):
     mp.start_processes(worker.mistakes, args=(2, _free_port(), str(path)), nprocs=2, join=True, start_method="fork")
     results = torch.load(path)
     assert results["same batch"] is None
+    assert results["cut in a DataLoader worker"] == (2, 9)
     for name in ("another batch, same layout", "another row length"):
         assert results[name][0] == "ContaminationError" and "hold different batches" in results[name][1], name
     assert results["rank 0 on every rank"][0] == "PackingValueError"

@@ -3,6 +3,7 @@ refuses), `PackedSFTTrainer` (exact: no row cut, documents isolated, same first-
 setting that `PackedSFTTrainer` refuses, with its message."""
 
 
+import gc
 import itertools
 
 import numpy as np
@@ -23,6 +24,7 @@ from llm_packing import (
     configure_packing,
     is_packing_configured,
     pack_dataset,
+    packing_configured,
     unconfigure_packing,
 )
 from llm_packing.data.metadata import packed_max_length
@@ -463,7 +465,8 @@ def test_plain_trainer_keeps_the_columns_for_the_collator_of_an_unconfigured_mod
     """`configure_packing` forgotten, `Trainer`'s defaults: building `DataCollatorWithPacking` keeps `seq_lengths` (it
     used to be dropped, and each packed row trained as one document, silently), so the collator refuses the packed
     rows; with `padding_free=True`, meant for an unconfigured model, it restarts positions per document. Building it
-    does not make packing configured, and `unconfigure_packing` restores `Trainer`."""
+    does not make packing configured; `unconfigure_packing` keeps the columns while the collator lives, and restores
+    `Trainer` once it is gone."""
     from transformers import Trainer, TrainingArguments
 
     original = Trainer._set_signature_columns_if_needed
@@ -478,7 +481,27 @@ def test_plain_trainer_keeps_the_columns_for_the_collator_of_an_unconfigured_mod
         positions = torch.cat([batch["position_ids"][0] for batch in trainer.get_train_dataloader()])
         assert int((positions == 0).sum()) == sum(len(row) for row in packed_rows()["seq_lengths"])
     unconfigure_packing()
+    assert Trainer._set_signature_columns_if_needed is not original
+    del trainer, collator
+    gc.collect()
+    unconfigure_packing()
     assert Trainer._set_signature_columns_if_needed is original
+
+
+def test_unconfiguring_keeps_the_columns_for_a_collator_still_alive(tmp_path):
+    """A collator built, then packing configured and undone around it (`packing_configured`): `unconfigure_packing`
+    undoes the column patch with the rest, then keeps it again for the live collator, which refuses the packed rows
+    of the unconfigured model (each row trained as one document, silently, before)."""
+    from transformers import Trainer, TrainingArguments
+
+    collator = DataCollatorWithPacking()
+    with packing_configured(tiny_model()):
+        pass
+    assert not is_packing_configured()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, **QUIET)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=packed_rows(), data_collator=collator)
+    with pytest.raises(ContaminationError, match="the model hook is not applied"):
+        next(iter(trainer.get_train_dataloader()))
 
 
 def test_a_trainer_imported_after_configuring_keeps_the_columns_through_the_collator(monkeypatch):

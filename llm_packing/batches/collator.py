@@ -8,6 +8,7 @@ Every tensor is built with numpy operations over the whole batch (one loop per r
   `flash_attention_*` backends only.
 """
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,8 @@ class DataCollatorWithPacking(DataCollatorMixin):
         check_model_configured (`bool`, *optional*, defaults to `True`):
             Raise [`~llm_packing.errors.ContaminationError`] when an indexed mask with several documents in a row is
             emitted while `configure_packing` is not applied. In a DataLoader worker process (`num_workers > 0`),
-            which may be a fresh process (the `spawn` start method), whether it was applied when the collator was
-            built counts. Turn off only if you apply the hook some other way.
+            which may be a fresh process (the `spawn` start method), whether it was applied in the main process
+            when the workers started counts. Turn off only if you apply the hook some other way.
         return_tensors (`str`, *optional*, defaults to `"pt"`):
             Only `"pt"` is supported.
         processor (`ProcessorMixin`, *optional*):
@@ -133,7 +134,12 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "
                 "are laid out with an indexed `attention_mask`. Leave both off."
             )
-        _keep_trainer_columns()
+        _keep_trainer_columns(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled: `_configured_when_sent` speaks for the process that unpickles it (a worker as it starts), not for
+        one that inherits a copy made earlier (a `fork`ed worker, whose registry is the main process's own)."""
+        self.__dict__.update(state, _unpickled_in=os.getpid())
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled into a DataLoader worker started by `spawn` (macOS, Windows) or `forkserver`, whose hook registry is
@@ -238,7 +244,8 @@ class DataCollatorWithPacking(DataCollatorMixin):
 
     def _check_model_configured(self) -> None:
         in_worker = torch.utils.data.get_worker_info() is not None
-        if _hook_configured() or (in_worker and getattr(self, "_configured_when_sent", False)):
+        sent = getattr(self, "_unpickled_in", None) == os.getpid() and getattr(self, "_configured_when_sent", False)
+        if _hook_configured() or (in_worker and sent):
             return
         raise ContaminationError(
             "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
@@ -261,14 +268,15 @@ def _hook_configured() -> bool:
     return is_packing_configured()
 
 
-def _keep_trainer_columns() -> None:
+def _keep_trainer_columns(collator) -> None:
     """A `transformers.Trainer` keeps `seq_lengths` for this collator (`llm_packing.hook.trainer_columns`; through the
-    hook's registry, so `unconfigure_packing` undoes it). Where nothing is configured it still does, without making
-    packing configured: with its default `remove_unused_columns=True` the rows of `pack_dataset` would otherwise
-    arrive whole, each taken as one document, instead of being refused for the unconfigured model."""
-    from ..hook import registry, trainer_columns
+    hook's registry; `unconfigure_packing` undoes it, then keeps it again while this collator lives). Where nothing is
+    configured it still does, without making packing configured: with its default `remove_unused_columns=True` the
+    rows of `pack_dataset` would otherwise arrive whole, each taken as one document, instead of being refused for the
+    unconfigured model."""
+    from ..hook import trainer_columns
 
-    trainer_columns.keep_packing_columns(configures=registry.is_active())
+    trainer_columns.keep_packing_columns_for(collator)
 
 
 def _example(feature: dict[str, Any], index: int, raw: bool) -> tuple[np.ndarray, np.ndarray]:

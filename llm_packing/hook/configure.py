@@ -174,6 +174,7 @@ def unconfigure_packing() -> None:
     """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
     registry.restore_all()
     route.reset_route()
+    trainer_columns.keep_columns_for_live_collators()
 
 
 def is_packing_configured() -> bool:

@@ -17,6 +17,7 @@ as it is (`registry.patch_on_import`), so the order of a notebook's imports does
 
 import functools
 import sys
+import weakref
 
 from ..errors import ContaminationError
 from . import registry
@@ -24,6 +25,24 @@ from . import registry
 
 PACKING_COLUMNS = ("seq_lengths",)
 _TRAINER_MODULE = "transformers.trainer"
+
+
+_collators: list[weakref.ref] = []  # the `DataCollatorWithPacking`s alive, for `keep_columns_for_live_collators`
+
+
+def keep_packing_columns_for(collator) -> None:
+    """For a `DataCollatorWithPacking` just built: [`keep_packing_columns`] now, without making packing configured
+    when it is not, and again after each `unconfigure_packing` while the collator lives."""
+    _collators[:] = [alive for alive in _collators if alive() is not None]
+    _collators.append(weakref.ref(collator))
+    keep_packing_columns(configures=registry.is_active())
+
+
+def keep_columns_for_live_collators() -> None:
+    """After `unconfigure_packing`: a `DataCollatorWithPacking` still alive must still get `seq_lengths`, to refuse
+    packed rows for the model no longer configured instead of taking each as one document."""
+    if any(alive() is not None for alive in _collators):
+        keep_packing_columns(configures=False)
 
 
 def keep_packing_columns(*, configures: bool = True) -> None:

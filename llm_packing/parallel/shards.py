@@ -31,7 +31,8 @@ def shard_packed_batch(batch: dict, rank: int, world_size: int) -> dict:
     `world_size` contiguous pieces; rank `r` keeps piece `r` of every row. While sequence parallelism is configured
     ([`~llm_packing.configure_sequence_parallel`]) every rank of the group must call this with the same batch: one
     small collective checks that each holds the batch of the others and asks for its own piece (two ranks running the
-    same piece, or pieces of different batches, would attend to the wrong tokens without an error).
+    same piece, or pieces of different batches, would attend to the wrong tokens without an error). Called in a
+    DataLoader worker (a `collate_fn`), which belongs to no group, it checks nothing.
 
     Args:
         batch (`dict`):
@@ -75,7 +76,7 @@ def shard_packed_batch(batch: dict, rank: int, world_size: int) -> dict:
     mask = _indexed_mask(batch)
     _refuse_other_inputs(batch)
     group = getattr(varlen.sharded_attention, "group", None)
-    if group is not None:
+    if group is not None and torch.utils.data.get_worker_info() is None:  # a DataLoader worker has no group to ask
         _check_the_group_holds_this_batch(batch["input_ids"], mask, rank, world_size, group)
     ids = mask.detach().cpu().numpy().astype(np.int64)
     validate_document_ids(ids)
@@ -111,7 +112,9 @@ def _check_the_group_holds_this_batch(input_ids, mask, rank: int, world_size: in
     weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device).view(input_ids.shape)
     checksums = [(tensor.long().to(weights.device) * weights).sum().cpu() for tensor in (input_ids, mask)]
     mine = torch.tensor([*input_ids.shape, *checksums, rank, world_size, *place])
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":  # this rank's own GPU
+        device = input_ids.device if input_ids.is_cuda else torch.device("cuda", torch.cuda.current_device())
     everyone = [torch.empty_like(mine, device=device) for _ in range(place[1])]
     dist.all_gather(everyone, mine.to(device), group=group)
     everyone = [other.tolist() for other in everyone]
