@@ -170,11 +170,7 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     documents = _random_documents(model.config, [n for row in rows for n in row], seed, parameter.device)
     packed_run = _packed_run(documents, rows, columns, parameter.device)
     alone_runs = [(document[None], None, None, {k: (0, 0)}) for k, document in enumerate(documents)]
-    # Noise floor rows: each document first, the others' tokens after it, no mask: nothing can reach the document.
-    repeats = -(-columns // sum(map(len, documents)))  # rows of `columns` tokens even when the documents are fewer
-    followed_ids = torch.stack([torch.cat(documents[k:] + documents[:k]).repeat(repeats)[:columns]
-                                for k in range(len(documents))])
-    followed_runs = _followed_runs(model.config, followed_ids, documents)
+    followed_runs = _followed_runs(model.config, noise_floor_rows(documents, columns), documents)
 
     was_training = model.training
     model.eval()
@@ -194,6 +190,15 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     relative = [[gradient / scale for gradient in side] if side is not None else None
                 for side in (packed_gradients, followed_gradients, alone_gradients)]
     return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=dtype))
+
+
+def noise_floor_rows(documents: list[torch.Tensor], columns: int) -> torch.Tensor:
+    """The rows the noise floor is measured on, one per document: the document first, then the other documents'
+    tokens (repeated where they are fewer than `columns`), no mask: nothing can reach the document, so its logits
+    differ from it alone only by the kernels' rounding."""
+    repeats = -(-columns // sum(map(len, documents)))
+    return torch.stack([torch.cat(documents[k:] + documents[:k]).repeat(repeats)[:columns]
+                        for k in range(len(documents))])
 
 
 def _followed_runs(config, followed_ids: torch.Tensor, documents) -> list[tuple]:

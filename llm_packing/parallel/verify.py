@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..errors import ContaminationError
 from ..hook import guards
 from ..hook.autocast import computed_dtype
+from ..hook.verify import noise_floor_rows
 from ..hook.verify_limits import compare
 from .shards import shard_packed_batch
 
@@ -53,9 +54,7 @@ def verify_sequence_parallel(model, group, *, autocast=contextlib.nullcontext) -
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.clone()}
     piece = {name: value.to(device) for name, value in shard_packed_batch(batch, rank, world).items()
              if name in ("input_ids", "attention_mask", "position_ids")}
-    # Noise floor rows: each document first, the other documents' tokens after it, no mask: nothing reaches it.
-    tokens = [ids for _, _, ids in documents]
-    followed_ids = torch.stack([torch.cat(tokens[k:] + tokens[:k])[:length] for k in range(len(tokens))]).to(device)
+    followed_ids = noise_floor_rows([ids for _, _, ids in documents], length).to(device)
     training = model.training
     model.eval()
     try:
