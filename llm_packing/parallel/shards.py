@@ -109,15 +109,16 @@ def _check_the_group_holds_this_batch(input_ids, mask, rank: int, world_size: in
     of each rank's shape, token and mask checksums, and `rank`/`world_size` against its place in the group, on the
     device the group communicates on. Every rank sees every rank's values, so all raise together."""
     place = (dist.get_rank(group), dist.get_world_size(group))
-    weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device).view(input_ids.shape)
-    checksums = [(tensor.long().to(weights.device) * weights).sum().cpu() for tensor in (input_ids, mask)]
-    mine = torch.tensor([*input_ids.shape, *checksums, rank, world_size, *place])
     device = "cpu"
     if dist.get_backend(group) == "nccl":  # this rank's own GPU
         device = input_ids.device if input_ids.is_cuda else torch.device("cuda", torch.cuda.current_device())
-    everyone = [torch.empty_like(mine, device=device) for _ in range(place[1])]
-    dist.all_gather(everyone, mine.to(device), group=group)
-    everyone = [other.tolist() for other in everyone]
+    weights = torch.arange(1, input_ids.numel() + 1, device=device).view(input_ids.shape)
+    # Built where it is gathered: the one host sync is reading what everyone sent.
+    mine = torch.tensor([*input_ids.shape, 0, 0, rank, world_size, *place], device=device)
+    mine[2:4] = torch.stack([(tensor.to(device).long() * weights).sum() for tensor in (input_ids, mask)])
+    everyone = [torch.empty_like(mine) for _ in range(place[1])]
+    dist.all_gather(everyone, mine, group=group)
+    everyone = torch.stack(everyone).tolist()
     misplaced = [other[4:] for other in everyone if other[4:6] != other[6:]]
     if misplaced:
         claimed_rank, claimed_size, actual_rank, actual_size = misplaced[0]
