@@ -243,9 +243,10 @@ class DataCollatorWithPacking(DataCollatorMixin):
         ]
 
     def _check_model_configured(self) -> None:
-        in_worker = torch.utils.data.get_worker_info() is not None
+        if _hook_configured():
+            return
         sent = getattr(self, "_unpickled_in", None) == os.getpid() and getattr(self, "_configured_when_sent", False)
-        if _hook_configured() or (in_worker and sent):
+        if sent and torch.utils.data.get_worker_info() is not None:
             return
         raise ContaminationError(
             "This batch has rows with several documents and an indexed `attention_mask` ([1, 1, 2, 2, 2, 0]), but "
