@@ -8,7 +8,7 @@ import functools
 
 import torch
 import torch.distributed as dist
-from tiny_models import VOCAB_SIZE, tiny_model
+from tiny_models import VOCAB_SIZE, tiny_config, tiny_model
 
 from llm_packing import DataCollatorWithPacking, configure_packing, unconfigure_packing
 from llm_packing.hook.masks import document_position_ids
@@ -19,13 +19,27 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @functools.cache
-def _model(model_type: str, kv_heads: int, dtype: str):
-    return tiny_model(model_type, "sdpa", num_key_value_heads=kv_heads).to(DTYPES[dtype]).train()
+def _model(model_type: str, kv_heads: int | None, dtype: str):
+    overrides = _no_dropout(model_type)
+    if kv_heads is not None:
+        overrides["num_key_value_heads"] = kv_heads
+    model = tiny_model(model_type, "sdpa", **overrides).to(DTYPES[dtype]).train()
+    if model._can_set_experts_implementation():
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    return model
 
 
-def build_model(model_type: str, kv_heads: int, dtype: str):
-    """The tiny model of a case in training mode, without gradients; built once per process (the layouts of a
-    model share it)."""
+def _no_dropout(model_type: str) -> dict:
+    """Every dropout probability and router jitter of the tiny config (gpt2, opt, seed_oss set dropout 0.1; phimoe
+    jitters its router in training), at 0: the ranks' random draws could not equal one process's."""
+    config = tiny_config(model_type)
+    return {name: 0.0 for name, value in config.to_dict().items()
+            if isinstance(value, float) and any(word in name for word in ("dropout", "pdrop", "jitter"))}
+
+
+def build_model(model_type: str, kv_heads: int | None, dtype: str):
+    """The tiny model of a case in training mode (no dropout), without gradients; built once per process (the layouts
+    of a model share it). `kv_heads`: the key/value heads, or None for the tiny config's."""
     model = _model(model_type, kv_heads, dtype)
     model.zero_grad(set_to_none=True)
     return model
@@ -63,9 +77,9 @@ def run(rank: int, world: int, port: int, cases: list[dict], path: str) -> None:
             loss = output.loss
             if case["dtype"] == "float64":
                 # transformers' causal LM loss computes in float32 (`logits.float()`): in float64 the same sum of
-                # token losses over the batch's targets, in float64.
+                # token losses over the batch's targets, in float64 (of float32 logits too: dory and beam's).
                 loss = torch.nn.functional.cross_entropy(
-                    output.logits.flatten(0, 1), piece["shift_labels"].flatten(), reduction="sum"
+                    output.logits.double().flatten(0, 1), piece["shift_labels"].flatten(), reduction="sum"
                 ) / piece["num_items_in_batch"]
             loss.backward()
             group = dist.group.WORLD

@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 
+from ..errors import UnsupportedSetupError
 from . import registry
 from .masks import is_integer_mask
 from .support.model_types import config_parts, modeling_module
@@ -47,7 +48,22 @@ def _counting_tokens_once(original):
         bound = signature.bind(*args, **kwargs)
         mask = bound.arguments.get("attention_mask")
         if is_integer_mask(mask) and mask.dim() == 2:  # document numbers, not weights
+            _refuse_pieces_of_rows(bound.arguments.get("gate_logits"), mask)
             bound.arguments["attention_mask"] = mask.ne(0).to(mask.dtype)
         return original(*bound.args, **bound.kwargs)
 
     return load_balancing_loss_counting_tokens_once
+
+
+def _refuse_pieces_of_rows(gate_logits, mask) -> None:
+    """A sequence-parallel shard's router logits cover its piece of each row, its mask the whole row: the loss, a
+    statistic over every token of the batch, cannot be taken from a piece (transformers would fail on the shapes)."""
+    layers = gate_logits if isinstance(gate_logits, (tuple, list)) else (gate_logits,)
+    tokens = layers[0].shape[0] if layers and hasattr(layers[0], "shape") else mask.numel()
+    if tokens != mask.numel():
+        raise UnsupportedSetupError(
+            f"The MoE load-balancing loss got router logits for {tokens} tokens and a packed mask of {mask.numel()}: "
+            "under sequence parallelism each rank routes only its piece of every row, and the loss is a statistic "
+            "over all tokens of the batch. Pass `output_router_logits=False` (no auxiliary loss) under "
+            "`sequence_parallel_size` > 1."
+        )

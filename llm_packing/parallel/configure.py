@@ -1,10 +1,11 @@
 """`configure_sequence_parallel(model, sequence_parallel_size)`: packing configured as usual, plus Ulysses attention
 for batches cut by [`shard_packed_batch`](`llm_packing.parallel.shards`), and what sequence parallelism refuses.
 
-Proven (`tests/test_sequence_parallel.py`, 2 and 4 gloo ranks, float32 and float64): per-document logits, the loss
-and every parameter's gradient equal each document run alone, for the types of `SEQUENCE_PARALLEL_MODEL_TYPES`.
-Refused: hybrid models (a linear-attention or SSM mixer carries its state along the row, which a shard cannot see the
-start of), image-text models, and every type not proven. Attention runs on the hook's sdpa varlen route only (on CUDA
+Proven (`tests/test_sequence_parallel.py`, 2 and 4 gloo ranks): per-document logits, the loss and every parameter's
+gradient equal each document run alone, for the types of `SEQUENCE_PARALLEL_MODEL_TYPES`. Refused: hybrid models (a
+linear-attention or SSM mixer carries its state along the row, which a shard cannot see the start of), image-text
+models, every type not proven, and MoE load-balancing losses (`output_router_logits`: a statistic over the whole
+batch, of which a rank holds a piece). Attention runs on the hook's sdpa varlen route only (on CUDA
 in half precision that is torch's FlashAttention varlen kernel).
 """
 
@@ -46,8 +47,8 @@ def configure_sequence_parallel(model, sequence_parallel_size: int, *, group=Non
         The same `model`.
 
     Raises:
-        `UnsupportedSetupError`: an unproven, hybrid or image-text model type, heads not divisible by `N`, a backend
-            other than sdpa's varlen route, or a group of another size.
+        `UnsupportedSetupError`: an unproven, hybrid or image-text model type, `output_router_logits=True`, heads
+            not divisible by `N`, a backend other than sdpa's varlen route, or a group of another size.
 
     Example (on each of 2 ranks, after `torch.distributed.init_process_group`):
     ```python
@@ -108,14 +109,23 @@ def require_sequence_parallel_support(config, sequence_parallel_size: int) -> No
             else "not proven under sequence parallelism"
         )
         raise UnsupportedSetupError(
-            f"Sequence parallelism cannot be used with model_type {model_type!r}: {reason}. Proven types: "
-            f"{', '.join(SEQUENCE_PARALLEL_MODEL_TYPES)}. Set `sequence_parallel_size: 1`, or use one of those."
+            f"Sequence parallelism cannot be used with model_type {model_type!r}: {reason}. The "
+            f"{len(SEQUENCE_PARALLEL_MODEL_TYPES)} proven types are in "
+            "`llm_packing.parallel.SEQUENCE_PARALLEL_MODEL_TYPES` (docs/support_matrix.md, 'Sequence parallelism'). "
+            "Set `sequence_parallel_size: 1`, or use one of those."
         )
     if sequence_parallel_size > 1 and (rope_types := length_dependent_rope_types(config)):
         raise UnsupportedSetupError(
             f"Sequence parallelism cannot be used with model_type {model_type!r} and its rope type "
             f"{rope_types}: the rotary frequencies follow each document's length, which a rank holding a "
             "piece of a document cannot read from its positions. Set `sequence_parallel_size: 1`."
+        )
+    if sequence_parallel_size > 1 and getattr(config, "output_router_logits", False):
+        raise UnsupportedSetupError(
+            f"Sequence parallelism cannot be used with model_type {model_type!r} while its config sets "
+            "`output_router_logits=True`: the MoE load-balancing loss is a statistic over all tokens of the batch, "
+            "and each rank holds only its piece of every row. Set `model.config.output_router_logits = False` (no "
+            "auxiliary loss), or `sequence_parallel_size: 1`."
         )
     check_heads(config.num_attention_heads, sequence_parallel_size)
 

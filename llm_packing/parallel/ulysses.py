@@ -34,8 +34,9 @@ def sharded_attention(group):
         # (batch, heads, length / N, dim) -> (batch, heads / N, length, dim)
         query, key, value = (all_to_all(tensor, group, scatter_dim=1, gather_dim=2) for tensor in (query, key, value))
         output = varlen.packed_sdpa_attention(module, query, key, value, mask, dropout, scaling, **kwargs)
-        # (batch, length, heads / N, dim) -> (batch, length / N, heads, dim), the layout attention functions return
-        return all_to_all(output, group, scatter_dim=1, gather_dim=2)
+        # (batch, length, heads / N, dim) -> (batch, length / N, heads, dim), the layout attention functions return,
+        # contiguous as theirs is: afmoe, dory and jetmoe `view` it
+        return all_to_all(output, group, scatter_dim=1, gather_dim=2).contiguous()
 
     # Like every replacement of the hook, eager inside a compiled model: its layout and collectives are per forward.
     attention = registry.outside_graphs(ulysses_attention)

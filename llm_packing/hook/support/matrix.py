@@ -31,7 +31,7 @@ from .image_text import (
     supported_image_text_model_types,
 )
 from .releases import backend_too_old
-from .sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES, SEQUENCE_PARALLEL_PROOF
+from .sequence_parallel import SEQUENCE_PARALLEL_MODEL_TYPES, sequence_parallel_proof
 from .video import VIDEO_END_TO_END_TYPES, VIDEO_TYPES, no_video_input, video_refusal
 
 
@@ -127,10 +127,11 @@ def sequence_parallel_lines() -> list[str]:
     return [
         "", f"## Sequence parallelism ({len(SEQUENCE_PARALLEL_MODEL_TYPES)})", "",
         "`sequence_parallel_size: N` cuts each packed row across N processes (Ulysses; docs/scaling.md). Proven by "
-        "`tests/test_sequence_parallel.py` for the types below; every other type is refused under it (hybrids and "
-        "image-text models by design).", "",
+        "`tests/test_sequence_parallel.py` for the types below; every other type is refused under it (hybrids, "
+        "image-text models and the sparse key indexers' dense route by design), as are MoE load-balancing losses "
+        "(`output_router_logits`) and rope types whose frequencies follow the document's length.", "",
         "| model_type | proof |", "|---|---|",
-        *(f"| {model_type} | {SEQUENCE_PARALLEL_PROOF} |" for model_type in SEQUENCE_PARALLEL_MODEL_TYPES),
+        *(f"| {model_type} | {sequence_parallel_proof(model_type)} |" for model_type in SEQUENCE_PARALLEL_MODEL_TYPES),
     ]
 
 
