@@ -512,8 +512,14 @@ class TestRefusedForwards:
              r"row 1 has document id 1 at position 2.*never inside a document"),
             ({"attention_mask": torch.tensor([[2, 2, 3, 3, 3, 0], [1, 2, 2, 3, 3, 3]])}, PackingValueError,
              r"row 0 has document id 2 at position 0"),
+            # 0/1 masks of other dtypes with the documents' restarting positions: attention across them (0.21 off)
+            ({"attention_mask": PACKED["attention_mask"].bool()}, ContaminationError,
+             r"`position_ids` restart inside a row whose `attention_mask` is 0/1 \(row 0, token 2"),
+            ({"attention_mask": PACKED["attention_mask"].ne(0).float()}, ContaminationError,
+             r"`position_ids` restart inside a row whose `attention_mask` is 0/1 \(row 0, token 2"),
         ],
-        ids=["use_cache", "4d_mask", "float_mask", "out_of_order", "non_contiguous", "not_from_1"],
+        ids=["use_cache", "4d_mask", "float_mask", "out_of_order", "non_contiguous", "not_from_1", "bool_0_1_mask",
+             "float_0_1_mask"],
     )
     def test_training_forward(self, model, change, error, match):
         configure_packing(model)

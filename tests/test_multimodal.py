@@ -95,8 +95,9 @@ def test_guard_leaves_unpacked_batches_and_goes_with_unconfigure():
     batch = packed_batch()
     batch["input_ids"][1, 3] = IMAGE_TOKEN_ID
     with packing_configured(model):
-        # the media guard, the labels guard (`hook.guards`) and the activated-LoRA check (`hook.peft_methods`)
-        assert len(model._forward_pre_hooks) == 3
+        # the media guard, the documents' scope and the labels guard (`hook.guards`), and the activated-LoRA check
+        # (`hook.peft_methods`)
+        assert len(model._forward_pre_hooks) == 4
         unpacked = {**batch, "attention_mask": (batch["attention_mask"] > 0).long()}
         unpacked["position_ids"] = (unpacked["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # one sequence a row
         _packed_forward(model, unpacked)

@@ -127,6 +127,7 @@ def configure_packing(
     builderless.refuse_packed_batches_in_builderless_models()
     varlen.install()
     if isinstance(model_or_config, torch.nn.Module):
+        guards.scope_documents_to_forwards(model_or_config)
         guards.complete_document_positions(model_or_config)
         guards.refuse_batches_without_documents(model_or_config)
         guards.refuse_labels_across_documents(model_or_config)

@@ -13,7 +13,12 @@ host copy.
 The state is per thread: `nn.DataParallel` (and so `Trainer` on a machine with several GPUs and no launcher) runs a
 replica's forward on each of several threads at once, each with its own mask. A thread finds its own forward's state
 by the mask tensor itself: the same elements (the tensor, or a view of its storage such as the
-`attention_mask[:, -length:]` transformers hands hybrid mixers) unmodified since (`_version`).
+`attention_mask[:, -length:]` transformers hands hybrid mixers) unmodified since ([`version_of`]).
+
+And it lives for one forward: a configured model's outermost forward on a thread forgets what earlier forwards read
+([`enter_forward`]). Some writes leave a tensor's version as it was (a collate function refilling one numpy buffer
+behind `torch.from_numpy`, writes through `.numpy()` or `.data`), so a mask rewritten that way between two forwards
+looked unmodified, and the second forward ran on the first one's documents (0.25 off alone on a tiny Llama).
 """
 
 import threading
@@ -81,7 +86,7 @@ class ForwardDocuments:
 
     def __init__(self, mask: torch.Tensor, ids: np.ndarray):
         self.mask = mask
-        self.version = mask._version
+        self.version = version_of(mask)
         self.ids = ids
         self.is_packed = bool(ids.max(initial=0) > 1)
         if self.is_packed:
@@ -114,12 +119,12 @@ class ForwardDocuments:
         """
         if position_ids is None:
             completed, host = document_position_ids(self.mask), document_position_ids(torch.from_numpy(self.ids))
-            self._positions = (completed, completed._version, host.numpy(), False)
+            self._positions = (completed, version_of(completed), host.numpy(), False)
             return completed
         completed = position_ids.masked_fill(self.mask == 0, 0)
         held = self._positions
         if held is not None and same_elements(held[0], held[1], position_ids):
-            self._positions = (completed, completed._version, np.where(self.ids == 0, 0, held[2]), False)
+            self._positions = (completed, version_of(completed), np.where(self.ids == 0, 0, held[2]), False)
         return completed
 
     def derived(self, key, build: Callable[[], Any]):
@@ -152,12 +157,12 @@ class ForwardDocuments:
         """Record `mask`, which a builder made from these documents. Weakly: an `L x L` mask must not outlive its
         forward for this state's sake (and while it lives, no other tensor can take its memory)."""
         root = _root(mask)
-        self.derived("prepared masks", list).append((weakref.ref(root), root._version))
+        self.derived("prepared masks", list).append((weakref.ref(root), version_of(root)))
 
     def prepared(self, mask: torch.Tensor) -> bool:
         """Whether `mask` is a recorded mask or a view of one (the `[:, 0]` slice a layer takes), unmodified since."""
         root = _root(mask)
-        return any(held() is root and root._version == version for held, version in self._derived.get(
+        return any(held() is root and version_of(root) == version for held, version in self._derived.get(
             "prepared masks", ()))
 
     def check_positions(self, position_ids: torch.Tensor, check: Callable[[np.ndarray], None]) -> None:
@@ -170,19 +175,43 @@ class ForwardDocuments:
             positions = held[2]
         else:
             positions = _to_host(position_ids.detach().long().expand(self.ids.shape))
-        self._positions = (position_ids, position_ids._version, positions, False)
+        self._positions = (position_ids, version_of(position_ids), positions, False)
         check(positions)
-        self._positions = (position_ids, position_ids._version, positions, True)
+        self._positions = (position_ids, version_of(position_ids), positions, True)
 
 
 class _PerThread(threading.local):
     states: dict[str, ForwardDocuments]
+    depth: int  # configured models' forwards running on this thread, nested
 
     def __init__(self):
-        self.states = {}
+        self.states, self.depth = {}, 0
 
 
 _per_thread = _PerThread()
+
+
+def enter_forward() -> None:
+    """A configured model's forward starts on this thread (a pre-hook of its outermost modules): the outermost one
+    forgets the documents earlier forwards read, so that none can pass for this forward's."""
+    if _per_thread.depth == 0:
+        _per_thread.states.clear()
+    _per_thread.depth += 1
+
+
+def leave_forward() -> None:
+    """The forward [`enter_forward`] counted has ended, normally or by an exception."""
+    _per_thread.depth = max(_per_thread.depth - 1, 0)
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """`tensor._version`, which counts its in-place writes; None for an inference tensor (made under
+    `torch.inference_mode()`), which keeps no count (reading it raises): one is recognised by its storage alone,
+    within its forward."""
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 def documents_of(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> ForwardDocuments:
@@ -237,7 +266,7 @@ def _documents(attention_mask, position_ids, kind) -> ForwardDocuments:
     _per_thread.states.pop(kind, None)
     state = ForwardDocuments(attention_mask, host)
     if positions is not None:
-        state._positions = (position_ids, position_ids._version, positions, False)
+        state._positions = (position_ids, version_of(position_ids), positions, False)
     _per_thread.states[kind] = state
     return state
 
@@ -262,7 +291,7 @@ def same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:
         and held.stride() == tensor.stride() and held.storage_offset() == tensor.storage_offset()
         and held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     )
-    return same and tensor._version == version
+    return same and version_of(tensor) == version
 
 
 def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -27,9 +27,28 @@ import torch
 
 from ..errors import ContaminationError, UnsupportedSetupError
 from . import registry
-from .documents import documents_of
+from .documents import documents_of, enter_forward, leave_forward
 from .masks import is_integer_mask
 from .shapes import attention_head_dims
+
+
+def scope_documents_to_forwards(model: torch.nn.Module) -> None:
+    """Make each outermost forward of `model` start from no documents (`hook.documents.enter_forward`): pre-hooks put
+    first on the causal LM (whose labels check reads the mask before its base model runs) and on the base model
+    (which PEFT's wrappers reach through `__call__`), and hooks that run however the forward ends (idempotent;
+    removed by `unconfigure_packing`)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for module in {id(part): part for part in (inner, input_module(model))}.values():
+        registry.add_forward_pre_hook(module, "forward documents", _enter_forward, prepend=True)
+        registry.add_forward_hook(module, "forward documents", _leave_forward, always_call=True)
+
+
+def _enter_forward(module, args, kwargs):
+    enter_forward()
+
+
+def _leave_forward(module, args, kwargs, output):
+    leave_forward()
 
 
 def refuse_batches_without_documents(model: torch.nn.Module) -> None:

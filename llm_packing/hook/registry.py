@@ -108,12 +108,12 @@ def replacement_for(original: Callable):
     return entry[1] if entry is not None and entry[0] is original else None
 
 
-def add_forward_pre_hook(module, kind: str, hook) -> None:
-    """`module.register_forward_pre_hook(hook, with_kwargs=True)`, once per module and `kind`, removed at
-    [`restore_all`]."""
+def add_forward_pre_hook(module, kind: str, hook, *, prepend: bool = False) -> None:
+    """`module.register_forward_pre_hook(hook, with_kwargs=True, prepend=prepend)`, once per module and `kind`,
+    removed at [`restore_all`]."""
     key = (id(module), kind, "pre")
     if key not in _hooks:
-        _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True)
+        _hooks[key] = module.register_forward_pre_hook(outside_graphs(hook), with_kwargs=True, prepend=prepend)
 
 
 def add_forward_hook(module, kind: str, hook, *, always_call: bool = False) -> None:

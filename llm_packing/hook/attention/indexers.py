@@ -216,7 +216,7 @@ def documents_of_prepared_mask(mask: torch.Tensor) -> ForwardDocuments | None:
     if documents is not None:
         return documents
     root = mask if mask._base is None else mask._base
-    geometry = (tuple(mask.shape), mask.stride(), mask.storage_offset(), mask._version)
+    geometry = (tuple(mask.shape), mask.stride(), mask.storage_offset(), forward_documents.version_of(mask))
     held = _mask_read.held
     if held is None or held[0]() is not root or held[1] != geometry:
         held = _mask_read.held = (weakref.ref(root), geometry, read_documents(mask))

@@ -24,7 +24,7 @@ import torch
 
 from ...errors import PackingValueError
 from .. import registry
-from ..documents import current_documents, documents_of, same_elements
+from ..documents import current_documents, documents_of, same_elements, version_of
 from ..masks import is_integer_mask
 
 
@@ -66,7 +66,7 @@ def _record_slot_documents(module, args, kwargs):
             "Build the batch with `llm_packing.batches.image_text.pack_image_text_documents`."
         )
     documents.derived(_SLOTS, dict)["record"] = (
-        cross_attention_mask, cross_attention_mask._version, ids, torch.where(seen, owner, -1)
+        cross_attention_mask, version_of(cross_attention_mask), ids, torch.where(seen, owner, -1)
     )
 
 
