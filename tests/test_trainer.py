@@ -329,6 +329,48 @@ def test_neftune_noise_follows_each_documents_length(tmp_path, tokenizer, monkey
     assert calls and not embeddings._forward_hooks and trainer.neftune_noise_alpha == 5.0
 
 
+def test_neftune_noise_follows_each_documents_length_on_replica_threads(tmp_path, tokenizer):
+    """`nn.DataParallel` (`Trainer` on several GPUs without a launcher) runs each replica's slice of the batch on a
+    thread of its own, where the trainer's thread's `position_ids` are not: each replica reads its documents from its
+    own forward's mask (it fell back to the row's length: a 2-token document got 3 times too little noise)."""
+    import threading
+
+    from llm_packing.trainers import neftune
+
+    model = tiny_model()
+    args = SFTConfig(output_dir=str(tmp_path), neftune_noise_alpha=5.0, max_steps=1, **QUIET)
+    trainer = PackedSFTTrainer(model=model, args=args, train_dataset=packed_rows(), processing_class=tokenizer)
+    batch = trainer.data_collator(list(packed_rows())[:2])
+    embeddings = model.get_input_embeddings()
+    clean = embeddings(batch["input_ids"]).detach()
+    noise = {}
+    handle = neftune.activate(model, 5.0, trainer.accelerator)
+    recorder = embeddings.register_forward_hook(  # after NEFTune's: sees the noisy embeddings
+        lambda module, args, output: noise.__setitem__(threading.current_thread().name, output.detach()))
+    model.train()
+    try:
+        with neftune.batch_positions(batch):  # the trainer's thread; each replica runs one row, as parallel_apply
+            replicas = [threading.Thread(target=model, name=f"replica{row}",
+                                         kwargs={key: value[row : row + 1] for key, value in batch.items()})
+                        for row in range(2)]
+            for replica in replicas:
+                replica.start()
+            for replica in replicas:
+                replica.join()
+    finally:
+        recorder.remove()
+        neftune.deactivate(model, handle, trainer.accelerator)
+        model.eval()
+    hidden = clean.shape[-1]
+    for row in range(2):
+        start, row_noise = 0, (noise[f"replica{row}"] - clean[row : row + 1])[0]
+        for length in packed_rows()[row]["seq_lengths"]:
+            bound = 5.0 / (length * hidden) ** 0.5
+            largest = row_noise[start : start + length].abs().max().item()
+            assert 0.9 * bound <= largest <= bound * (1 + 1e-6), (row, length, largest, bound)
+            start += length
+
+
 def trl_packed_rows() -> Dataset:
     # TRL's own packer: `seq_lengths` but no record of the max_length, so only the rows' lengths can be checked.
     from trl.data_utils import pack_dataset as trl_pack_dataset

@@ -3,8 +3,10 @@
 NEFTune (`neftune_noise_alpha`) adds uniform noise of magnitude `alpha / sqrt(length x hidden size)` to the input
 embeddings in training, `length` being the batch's row length (transformers' `neftune_post_forward_hook`). A packed
 row is `max_length` long, so every document got several times less noise than alone, and more or less by where it
-was packed. Here the hook reads each token's document length from the batch's `position_ids` (they restart at 0 per
-document), so a document gets the noise it gets trained alone (padding, masked anyway, as one-token runs).
+was packed. Here the hook reads each token's document length from the forward's own documents (the indexed mask the
+hook read on this thread: `nn.DataParallel` runs each replica's slice on a thread of its own), else from the batch's
+`position_ids` (they restart at 0 per document), so a document gets the noise it gets trained alone (padding, masked
+anyway, as one-token runs).
 """
 
 import contextlib
@@ -14,7 +16,8 @@ import threading
 import torch
 from transformers.integrations.neftune import deactivate_neftune
 
-from ..hook.masks import document_lengths_per_token
+from ..hook.documents import current_documents
+from ..hook.masks import document_lengths_per_token, document_position_ids
 
 
 class _Positions(threading.local):
@@ -58,7 +61,7 @@ def _noise_per_document(module, args, output, *, alpha: float):
     """
     if not module.training:
         return output
-    positions = _batch.position_ids
+    positions = _forward_positions(output)
     if positions is None or positions.shape[-2:] != output.shape[:2]:
         magnitude = alpha / (output.size(1) * output.size(2)) ** 0.5
         return output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
@@ -66,3 +69,12 @@ def _noise_per_document(module, args, output, *, alpha: float):
     magnitude = alpha / (lengths.to(output.dtype) * output.size(2)).sqrt()
     noise = torch.zeros_like(output).uniform_(-1.0, 1.0) * magnitude[..., None]
     return output + noise
+
+
+def _forward_positions(output: torch.Tensor) -> torch.Tensor | None:
+    """The per-document positions of the forward running on this thread: from its indexed mask where the hook read one
+    of `output`'s shape, else those the trainer's thread recorded for its batch (padding-free batches)."""
+    documents = current_documents()
+    if documents is not None and documents.is_packed and documents.ids.shape == tuple(output.shape[:2]):
+        return document_position_ids(documents.mask)
+    return _batch.position_ids
