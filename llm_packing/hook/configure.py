@@ -29,6 +29,7 @@ from . import (
     builders,
     cache,
     compile_limits,
+    documents,
     guards,
     mixers,
     peft_methods,
@@ -91,6 +92,13 @@ def configure_packing(
     text-only batches as the parity matrix proved it: a packed forward that carries its images, and video or audio
     for every model, raises `UnsupportedSetupError`.
     """
+    with registry.lock:
+        configured = _configure(model_or_config, attn_implementation, attention_route)
+        registry.keep_configured()
+        return configured
+
+
+def _configure(model_or_config, attn_implementation: str | None, attention_route: str | None):
     from .support.architectures import require_supported, require_transformers_modeling_code
 
     _compat.check_transformers_internals()
@@ -172,10 +180,23 @@ def _set_backend(model_or_config, config, backend: str) -> None:
 
 
 def unconfigure_packing() -> None:
-    """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice."""
-    registry.restore_all()
-    route.reset_route()
-    trainer_columns.keep_columns_for_live_collators()
+    """Restore every object [`configure_packing`] replaced, in every module that holds one. Safe to call twice.
+
+    Raises:
+        `UnsupportedSetupError`: a configured model's forward is running on another thread: its remaining layers
+            would run unpatched, their documents attending to each other.
+    """
+    with registry.lock:
+        running = documents.forwards_running_elsewhere()
+        if running:
+            raise UnsupportedSetupError(
+                f"`unconfigure_packing()` was called while {len(running)} other thread(s) run a forward of a "
+                "configured model: its remaining layers would run unpatched, with its documents attending to each "
+                "other. Unconfigure once every thread's training or inference has ended (join them first)."
+            )
+        registry.restore_all()
+        route.reset_route()
+        trainer_columns.keep_columns_for_live_collators()
 
 
 def is_packing_configured() -> bool:
@@ -183,20 +204,30 @@ def is_packing_configured() -> bool:
     return registry.is_active()
 
 
+_open_blocks = 0  # `packing_configured` blocks open in this process, on any thread
+
+
 @contextlib.contextmanager
 def packing_configured(
     model_or_config, *, attn_implementation: str | None = None, attention_route: str | None = None
 ) -> Iterator[Any]:
-    """Context manager form of [`configure_packing`]; restores the originals on exit (unless packing was already
-    configured on entry)."""
-    was_configured = is_packing_configured()
+    """Context manager form of [`configure_packing`]; restores the originals when the last open block exits, unless
+    packing was configured outside the blocks (before the first, or by `configure_packing` meanwhile, from any
+    thread: another thread's model trains on)."""
+    global _open_blocks
+    with registry.lock:
+        if _open_blocks == 0 and is_packing_configured():
+            registry.keep_configured()
+        _open_blocks += 1
     try:
-        yield configure_packing(
-            model_or_config, attn_implementation=attn_implementation, attention_route=attention_route
-        )
+        with registry.lock:
+            configured = _configure(model_or_config, attn_implementation, attention_route)
+        yield configured
     finally:
-        if not was_configured:
-            unconfigure_packing()
+        with registry.lock:
+            _open_blocks -= 1
+            if _open_blocks == 0 and not registry.kept_configured():
+                unconfigure_packing()
 
 
 def _patch_builders() -> None:

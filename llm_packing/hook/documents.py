@@ -191,17 +191,29 @@ class _PerThread(threading.local):
 _per_thread = _PerThread()
 
 
+_running: set[int] = set()  # the threads running a configured model's forward (`threading.get_ident()`)
+
+
 def enter_forward() -> None:
     """A configured model's forward starts on this thread (a pre-hook of its outermost modules): the outermost one
     forgets the documents earlier forwards read, so that none can pass for this forward's."""
     if _per_thread.depth == 0:
         _per_thread.states.clear()
+        _running.add(threading.get_ident())
     _per_thread.depth += 1
 
 
 def leave_forward() -> None:
     """The forward [`enter_forward`] counted has ended, normally or by an exception."""
     _per_thread.depth = max(_per_thread.depth - 1, 0)
+    if _per_thread.depth == 0:
+        _running.discard(threading.get_ident())
+
+
+def forwards_running_elsewhere() -> list[int]:
+    """The other live threads running a configured model's forward now."""
+    alive = {thread.ident for thread in threading.enumerate()}
+    return sorted(ident for ident in set(_running) if ident != threading.get_ident() and ident in alive)
 
 
 def version_of(tensor: torch.Tensor) -> int | None:

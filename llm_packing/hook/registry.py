@@ -10,6 +10,7 @@ still in place: an object someone replaced after us is theirs to restore.
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,11 @@ _hooks: dict[tuple[int, str, str], Any] = {}  # (id(module), kind, "pre" or "pos
 _on_import: dict[str, Callable[[], None]] = {}  # module name -> the patch to run once that module has run
 _configuring_imports: set[str] = set()  # those of `_on_import` that configure packing ([`is_active`])
 _configured_model_types: set[str] = set()  # every config `configure_packing` was given, nested configs included
+_kept_configured = False  # configured by `configure_packing` (not only by `packing_configured` blocks)
+
+# `configure_packing` and `unconfigure_packing` change process-wide state: one call at a time. Threads configuring at
+# once wrapped the same original twice, and the restore then missed the wrapper the modules held.
+lock = threading.RLock()
 
 
 def replace_attribute(owner, name: str, replacement, *, configures: bool = True) -> None:
@@ -194,6 +200,17 @@ def configured_model_types() -> list[str]:
     return sorted(_configured_model_types)
 
 
+def keep_configured() -> None:
+    """Packing was configured outside `packing_configured` blocks: their last exit leaves it (until
+    [`restore_all`])."""
+    global _kept_configured
+    _kept_configured = True
+
+
+def kept_configured() -> bool:
+    return _kept_configured
+
+
 def is_active() -> bool:
     """Whether anything the hook configures is in place (`is_packing_configured`): not the `Trainer` column patch of a
     `DataCollatorWithPacking` built while nothing is configured."""
@@ -202,6 +219,8 @@ def is_active() -> bool:
 
 def restore_all() -> None:
     """Undo every replacement, newest first; safe to call twice."""
+    global _kept_configured
+    _kept_configured = False
     _configured_model_types.clear()
     _on_import.clear()
     _configuring_imports.clear()
