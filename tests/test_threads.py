@@ -29,6 +29,7 @@ from llm_packing import (
     is_packing_configured,
     packing_configured,
     unconfigure_packing,
+    verify_packing,
 )
 from llm_packing.hook import documents, registry
 from llm_packing.hook.attention import varlen
@@ -345,3 +346,24 @@ def test_unconfiguring_while_another_thread_runs_a_forward_is_refused(monkeypatc
         pause.remove()
     unconfigure_packing()
     assert not is_packing_configured()
+
+
+def test_threads_verifying_one_model_leave_it_in_training_mode():
+    """Two `verify_packing` calls at once on a model in training mode: the second saved the eval mode the first had
+    set, and restored it last (3 runs of 3)."""
+    model = configure_packing(tiny_model("llama").train())
+    start = threading.Barrier(3)
+
+    def check():
+        start.wait(10)
+        verify_packing(model)
+
+    threads = [threading.Thread(target=check) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        unconfigure_packing()
+    assert model.training

@@ -11,6 +11,8 @@ loss too (`llm-packing verify` runs it).
 
 import contextlib
 import logging
+import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -172,16 +174,17 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     alone_runs = [(document[None], None, None, {k: (0, 0)}) for k, document in enumerate(documents)]
     followed_runs = _followed_runs(model.config, noise_floor_rows(documents, columns), documents)
 
-    was_training = model.training
-    model.eval()
-    try:
-        with guards.unpacked_forwards():
-            alone, alone_gradients = _through(model, alone_runs, documents, gradients)
-            packed, packed_gradients = _through(model, [packed_run], documents, gradients)
-            followed, followed_gradients = (_through(model, followed_runs, documents, gradients) if atol is None
-                                            else (None, None))
-    finally:
-        model.train(was_training)
+    with _one_check_at_a_time(model):  # threads checking one model: each restores the mode it found, no mixed grads
+        was_training = model.training
+        model.eval()
+        try:
+            with guards.unpacked_forwards():
+                alone, alone_gradients = _through(model, alone_runs, documents, gradients)
+                packed, packed_gradients = _through(model, [packed_run], documents, gradients)
+                followed, followed_gradients = (_through(model, followed_runs, documents, gradients)
+                                                if atol is None else (None, None))
+        finally:
+            model.train(was_training)
     dtype = computed_dtype(parameter)  # under autocast, the limits of its half precision
     logits = compare("logits", packed, followed, alone, atol, dtype=dtype)
     if not gradients:
@@ -190,6 +193,17 @@ def measure_packing(model, rows: Sequence[Sequence[int]] = ROWS, columns: int = 
     relative = [[gradient / scale for gradient in side] if side is not None else None
                 for side in (packed_gradients, followed_gradients, alone_gradients)]
     return PackingMeasurement(logits, compare("gradients", *relative, atol, dtype=dtype))
+
+
+_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the lock its checks take
+_checks_lock = threading.Lock()
+
+
+def _one_check_at_a_time(model: torch.nn.Module) -> threading.Lock:
+    """The lock of `model`'s checks: two threads checking it at once left it in eval mode (the second saved the mode
+    the first had set)."""
+    with _checks_lock:
+        return _checks.setdefault(model, threading.Lock())
 
 
 def noise_floor_rows(documents: list[torch.Tensor], columns: int) -> torch.Tensor:
