@@ -352,11 +352,11 @@ def test_threads_verifying_one_model_leave_it_in_training_mode():
     """Two `verify_packing` calls at once on a model in training mode: the second saved the eval mode the first had
     set, and restored it last (3 runs of 3)."""
     model = configure_packing(tiny_model("llama").train())
-    start = threading.Barrier(3)
+    start, checked = threading.Barrier(3), []
 
     def check():
         start.wait(10)
-        verify_packing(model)
+        checked.append(verify_packing(model))
 
     threads = [threading.Thread(target=check) for _ in range(3)]
     try:
@@ -366,4 +366,4 @@ def test_threads_verifying_one_model_leave_it_in_training_mode():
             thread.join()
     finally:
         unconfigure_packing()
-    assert model.training
+    assert len(checked) == 3 and model.training
