@@ -126,6 +126,29 @@ def test_a_mask_rewritten_without_a_version_bump_is_read_again(rewrite):
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
 
 
+def test_a_forward_after_an_interrupted_one_reads_its_own_documents():
+    """A `KeyboardInterrupt` inside a forward skips the hook that ends it (torch runs those on `Exception`s only): the
+    next forward still starts from no documents, and reads a mask rewritten in place (a numpy buffer) again."""
+    model = tiny_model("llama", "sdpa")
+    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    with packing_configured(model), torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=second.clone()).logits
+        buffer = first.numpy().copy()
+        model(input_ids=ids, attention_mask=torch.from_numpy(buffer))
+        handle = model.model.layers[1].register_forward_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids, attention_mask=torch.from_numpy(buffer))
+        handle.remove()
+        buffer[:] = second.numpy()
+        assert torch.equal(model(input_ids=ids, attention_mask=torch.from_numpy(buffer)).logits, expected)
+    assert not documents.forwards_running_elsewhere()
+
+
 def test_inference_mode_forwards_equal_no_grad_ones_with_one_host_copy(monkeypatch):
     """Tensors made under `torch.inference_mode()` keep no version count (reading one raised, for packed and 0/1
     masks alike): they are recognised by their storage within their forward."""

@@ -183,9 +183,10 @@ class ForwardDocuments:
 class _PerThread(threading.local):
     states: dict[str, ForwardDocuments]
     depth: int  # configured models' forwards running on this thread, nested
+    outermost: Any  # the module whose forward began at depth 0
 
     def __init__(self):
-        self.states, self.depth = {}, 0
+        self.states, self.depth, self.outermost = {}, 0, None
 
 
 _per_thread = _PerThread()
@@ -194,11 +195,14 @@ _per_thread = _PerThread()
 _running: set[int] = set()  # the threads running a configured model's forward (`threading.get_ident()`)
 
 
-def enter_forward() -> None:
-    """A configured model's forward starts on this thread (a pre-hook of its outermost modules): the outermost one
-    forgets the documents earlier forwards read, so that none can pass for this forward's."""
-    if _per_thread.depth == 0:
+def enter_forward(module) -> None:
+    """`module`, a configured model's causal LM or base model, starts a forward on this thread (its pre-hook): the
+    outermost one forgets the documents earlier forwards read, so that none can pass for this forward's. The outermost
+    module entered again counts as a new forward: an interrupted one (`KeyboardInterrupt`, or an error in a compiled
+    model) never ran the hook that ends it."""
+    if _per_thread.depth == 0 or module is _per_thread.outermost:
         _per_thread.states.clear()
+        _per_thread.depth, _per_thread.outermost = 0, module
         _running.add(threading.get_ident())
     _per_thread.depth += 1
 
@@ -207,6 +211,7 @@ def leave_forward() -> None:
     """The forward [`enter_forward`] counted has ended, normally or by an exception."""
     _per_thread.depth = max(_per_thread.depth - 1, 0)
     if _per_thread.depth == 0:
+        _per_thread.outermost = None
         _running.discard(threading.get_ident())
 
 

@@ -44,7 +44,7 @@ def scope_documents_to_forwards(model: torch.nn.Module) -> None:
 
 
 def _enter_forward(module, args, kwargs):
-    enter_forward()
+    enter_forward(module)
 
 
 def _leave_forward(module, args, kwargs, output):
