@@ -16,6 +16,7 @@ top-level `use_cache=False` on to its text model (`hook.cache`); it raises dynam
 import contextlib
 import functools
 import importlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +95,8 @@ def configure_packing(
     """
     with registry.lock:
         configured = _configure(model_or_config, attn_implementation, attention_route)
-        registry.keep_configured()
+        if not _blocks_on_this_thread.count:  # inside a block of this thread, the block's own (a trainer it builds)
+            registry.keep_configured()
         return configured
 
 
@@ -204,7 +206,12 @@ def is_packing_configured() -> bool:
     return registry.is_active()
 
 
+class _Blocks(threading.local):
+    count = 0  # `packing_configured` blocks open on this thread
+
+
 _open_blocks = 0  # `packing_configured` blocks open in this process, on any thread
+_blocks_on_this_thread = _Blocks()
 
 
 @contextlib.contextmanager
@@ -212,13 +219,15 @@ def packing_configured(
     model_or_config, *, attn_implementation: str | None = None, attention_route: str | None = None
 ) -> Iterator[Any]:
     """Context manager form of [`configure_packing`]; restores the originals when the last open block exits, unless
-    packing was configured outside the blocks (before the first, or by `configure_packing` meanwhile, from any
-    thread: another thread's model trains on)."""
+    packing was configured outside the blocks: before the first, or meanwhile by `configure_packing` on a thread with
+    no open block (another thread's model trains on). `configure_packing` inside a block of its thread (a trainer
+    built there) is the block's."""
     global _open_blocks
     with registry.lock:
         if _open_blocks == 0 and is_packing_configured():
             registry.keep_configured()
         _open_blocks += 1
+        _blocks_on_this_thread.count += 1
     try:
         with registry.lock:
             configured = _configure(model_or_config, attn_implementation, attention_route)
@@ -226,6 +235,7 @@ def packing_configured(
     finally:
         with registry.lock:
             _open_blocks -= 1
+            _blocks_on_this_thread.count -= 1
             if _open_blocks == 0 and not registry.kept_configured():
                 unconfigure_packing()
 
