@@ -11,7 +11,7 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from llm_packing import DataCollatorWithPacking, pack_dataset
 from llm_packing.batches.packed_conversations import TOKEN_COLUMNS, media_token_ids
-from llm_packing.errors import ContaminationError, PackingValueError
+from llm_packing.errors import ContaminationError, PackingTypeError, PackingValueError
 
 
 def conversation(number: int, words: int = 3, images: int = 1) -> dict:
@@ -104,6 +104,13 @@ def test_a_processor_that_expands_images_otherwise_than_planned_is_refused():
     with pytest.raises(PackingValueError, match=r"document 0 of feature 0: the processor gave \d+ tokens, but the "
                                                 r"conversation was packed as \d+: its image placeholders expand"):
         collator([packed[0]])
+
+
+def test_a_tokenizer_or_a_hub_id_in_place_of_the_processor_is_refused():
+    with pytest.raises(PackingTypeError, match=r"`processor` must be the model's processor .*got LlamaTokenizer\."):
+        DataCollatorWithPacking(processor=tiny_processor("qwen2_5_vl").tokenizer)
+    with pytest.raises(PackingTypeError, match=r"got the str 'Qwen/x'\. Pass `AutoProcessor\.from_pretrained"):
+        DataCollatorWithPacking(processor="Qwen/x")
 
 
 def test_an_image_gone_since_packing_names_the_feature_and_the_path(tmp_path):

@@ -8,7 +8,7 @@ from tiny_processors import IMAGE_SIZES, photo_bytes, tiny_processor
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from llm_packing import PackedDatasetEpochs, pack_dataset
-from llm_packing.errors import PackingValueError, SequenceTooLongError
+from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
 
 
 FAMILY = "qwen2_5_vl"
@@ -133,6 +133,12 @@ def test_bad_input_is_refused_before_packing(tmp_path):
         pack_dataset(dataset(rows), 200, processor=processor)
     with pytest.raises(PackingValueError, match=r"Pass the processor you train with"):
         pack_dataset(dataset([conversation(0)]), 200)
+    not_a_processor = r"holds images or videos \(column 'images'\), so `processor` must be the model's processor.*got "
+    with pytest.raises(PackingTypeError, match=not_a_processor + r"LlamaTokenizer\. Pass `AutoProcessor"):
+        pack_dataset(dataset([conversation(0)]), 200, processor=processor.tokenizer)  # counts an image as 1 token
+    with pytest.raises(PackingTypeError, match=not_a_processor + r"the str 'Qwen/x'\. Pass "
+                                               r"`AutoProcessor\.from_pretrained\('Qwen/x'\)`"):
+        pack_dataset(dataset([conversation(0)]), 200, processor="Qwen/x")
     text_and_images = datasets.Dataset.from_dict({"text": ["hi"], "images": [[photo_bytes(0, (56, 56))]]})
     with pytest.raises(PackingValueError, match=r"has no 'messages' column"):
         pack_dataset(text_and_images, 200, processor=processor)

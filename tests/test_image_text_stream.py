@@ -133,6 +133,9 @@ def test_bad_input_names_the_parameter_or_the_row():
         pack_dataset(typed, 200)
     with pytest.raises(PackingValueError, match=r"Example 0 of the stream " + no_processor):  # when its first is read
         list(pack_dataset(untyped, 200))
+    for stream in (typed, untyped):
+        with pytest.raises(PackingTypeError, match=r"so `processor` must be the model's processor .*LlamaTokenizer"):
+            pack_dataset(stream, 200, processor=processor.tokenizer)
     with pytest.raises(PackingValueError, match=r"`buffer_size` must be an integer >= 2 \(documents per buffer\), "
                                                 r"got 1\. Pass `buffer_size=10_000`"):
         pack_dataset(typed, 200, processor=processor, buffer_size=1)

@@ -18,7 +18,7 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from ..core.binpack import pack_sequences
-from ..core.checks import check_bool, check_integer
+from ..core.checks import check_bool, check_integer, check_processor
 from ..core.rows import (
     IGNORE_INDEX,
     MASK_COLUMNS,
@@ -129,6 +129,8 @@ class DataCollatorWithPacking(DataCollatorMixin):
                 f"`return_tensors` must be 'pt', got {self.return_tensors!r}: packed batches are built as torch "
                 "tensors only."
             )
+        if self.processor is not None:
+            check_processor("processor", self.processor)
         if self.processor is not None and (self.padding_free or self.return_flash_attn_kwargs):
             raise PackingValueError(
                 "`padding_free` / `return_flash_attn_kwargs` are for text rows; with a `processor`, image-text rows "

@@ -10,7 +10,7 @@
 - `stats`: `PackingStats`, how tight a packing is and what was cut;
 - `rows`: the layout of one packed row (positions restarting per document, -100 on each first label, token checks);
 - `locality`: an order of the rows that reads the input in about one pass;
-- `checks`: one wording for bad scalar arguments;
+- `checks`: one wording for bad arguments (counts, seeds, flags, processors);
 - `image_text`: image references as datasets hold them (header sizes, decoding as `datasets` decodes) and images
   placed in messages as TRL places them.
 

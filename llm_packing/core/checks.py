@@ -1,4 +1,4 @@
-"""Checks of scalar arguments, one wording per kind, so that every entry point refuses a bad count or seed alike."""
+"""Checks of arguments, one wording per kind, so that every entry point refuses a bad count, seed or processor."""
 
 import numpy as np
 
@@ -77,4 +77,30 @@ def check_bool(name: str, value, *, optional: bool = False) -> None:
     raise PackingTypeError(
         f"`{name}` must be a bool (True or False){' or None' if optional else ''}, got {value!r} of type "
         f"{type(value).__name__}. Pass `{name}=True` or `{name}=False`, not a string or a number."
+    )
+
+
+def check_processor(name: str, value, *, why: str | None = None) -> None:
+    """
+    Raise [`~llm_packing.errors.PackingTypeError`] unless `value` is an image-text processor (a `ProcessorMixin` with a
+    `tokenizer` and an `image_processor`): a tokenizer alone would count each image as its one placeholder token. The
+    message says `why` a processor is needed, names `name`, shows what `value` is, then gives the fix.
+
+    Example:
+    ```python
+    >>> from llm_packing.errors import PackingTypeError
+    >>> try:
+    ...     check_processor("processor", "Qwen/Qwen2.5-VL-3B-Instruct")
+    ... except PackingTypeError as error:
+    ...     print(str(error).split(", got ")[1])
+    the str 'Qwen/Qwen2.5-VL-3B-Instruct'. Pass `AutoProcessor.from_pretrained('Qwen/Qwen2.5-VL-3B-Instruct')`.
+
+    ```
+    """
+    if hasattr(value, "tokenizer") and hasattr(value, "image_processor"):
+        return
+    shown, source = (f"the str {value!r}", repr(value)) if isinstance(value, str) else (type(value).__name__, "...")
+    raise PackingTypeError(
+        f"{f'{why}, so ' if why else ''}`{name}` must be the model's processor (a ProcessorMixin with a tokenizer and "
+        f"an image processor), got {shown}. Pass `AutoProcessor.from_pretrained({source})`."
     )

@@ -22,6 +22,7 @@ import pyarrow as pa
 from datasets.fingerprint import Hasher
 
 from ..core.binpack import pack_sequences
+from ..core.checks import check_processor
 from ..core.overflow import OverflowPolicy, cut_pieces
 from ..errors import PackingValueError, SequenceTooLongError
 from ._io.packed_cache import PackedWriter, destination, load_cached
@@ -113,13 +114,15 @@ def pack_image_text_split(dataset: datasets.Dataset, max_length: int, overflow: 
 
 
 def require_processor(dataset, processor) -> None:
-    """Refuse to pack image-text `dataset` without the processor that gives its token counts."""
+    """Refuse to pack image-text `dataset` without the processor that gives its token counts, or with something
+    else in its place (a tokenizer would count each image as one placeholder token)."""
     if processor is None:
         raise PackingValueError(
             f"`dataset` holds images or videos (column {media_columns(dataset)}), so packing it needs the token count "
             "of each conversation once the processor has expanded its placeholders. Pass the processor you train "
             "with: `pack_dataset(dataset, max_length, processor=processor)`."
         )
+    check_processor("processor", processor, why=f"`dataset` holds images or videos (column {media_columns(dataset)})")
 
 
 def check_format(dataset) -> None:

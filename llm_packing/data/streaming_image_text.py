@@ -22,7 +22,7 @@ import numpy as np
 
 from ..core.binpack import pack_sequences
 from ..core.buffered import buffered_bins
-from ..core.checks import check_integer
+from ..core.checks import check_integer, check_processor
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy
 from ..core.stats import PackingStats
 from ..errors import PackingValueError
@@ -131,6 +131,8 @@ def pack_image_text_stream(
             "conversation once the processor has expanded its image placeholders. Pass the processor you train with: "
             "`pack_dataset(dataset, max_length, processor=processor)`."
         )
+    else:
+        check_processor("processor", processor, why="the stream holds images")
     options = {"max_length": max_length, "buffer_size": buffer_size, "strategy": strategy, "seed": seed,
                "overflow": overflow, "max_docs_per_bin": max_docs_per_bin}
     return datasets.IterableDataset.from_generator(

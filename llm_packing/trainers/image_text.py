@@ -21,6 +21,7 @@ from trl.chat_template_utils import get_training_chat_template, has_generation_m
 
 from ..batches.collator import DataCollatorWithPacking
 from ..batches.packed_conversations import media_token_ids, placeholder_ids
+from ..core.checks import check_processor
 from ..data.pack import pack_dataset
 from ..data.pack_image_text import is_image_text
 from ..data.streaming_image_text import is_image_text_stream
@@ -49,12 +50,7 @@ def prepare_image_text(args, model, processing_class, data_collator, train_datas
     if not _is_vision(train_dataset, processing_class):
         return None
     processor = processing_class
-    if not (hasattr(processor, "tokenizer") and hasattr(processor, "image_processor")):
-        raise PackingTypeError(
-            "`train_dataset` holds images, so `processing_class` must be the model's processor (a ProcessorMixin "
-            f"with a tokenizer and an image processor), got {type(processor).__name__}. Pass "
-            "`AutoProcessor.from_pretrained(...)`."
-        )
+    check_processor("processing_class", processor, why="`train_dataset` holds images")
     check_processor_matches_model(processor, model)
     if data_collator is not None and getattr(data_collator, "processor", None) is None:
         raise PackingTypeError(
