@@ -12,6 +12,7 @@ layer refuses them, and `pack_dataset` and the collator refuse ids that do not f
 """
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -243,6 +244,20 @@ class TestEmpty:
         packed, stats = pack_dataset(make(), 4, return_stats=True)
         assert len(packed) == 0 and stats.num_bins == 0
         assert packed.column_names == ["input_ids", "seq_lengths"]
+
+    def test_examples_that_make_no_rows_are_warned_of(self, caplog):
+        """Zero rows from examples given: a trainer would stop at its first batch, far from the cause."""
+        with caplog.at_level(logging.WARNING, logger="llm_packing"):
+            assert len(pack_dataset(Dataset.from_dict({"input_ids": [[], []]}), 4)) == 0
+            assert list(pack_dataset(Dataset.from_dict({"input_ids": [[], []]}).to_iterable_dataset(), 4)) == []
+            assert len(pack_dataset(Dataset.from_dict({"input_ids": []}), 4)) == 0  # nothing given: nothing lost
+        warnings_logged = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+        assert warnings_logged == [
+            "pack_dataset made no rows from 2 examples (2 empty, 0 over-long dropped with overflow='error'): there is "
+            "nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
+            "pack_dataset (streaming) made no rows (2 examples empty, 0 over-long dropped with overflow='error'): "
+            "there is nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
+        ]
 
     def test_empty_split_and_empty_stream(self):
         splits = DatasetDict({"train": Dataset.from_dict(SMALL), "test": Dataset.from_dict({"input_ids": []})})

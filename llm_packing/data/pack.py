@@ -238,6 +238,11 @@ def _pack_split(dataset, max_length, overflow, options, storage, documents=None,
             packed, stats = cached
     split = dataset.split
     logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
+    if len(dataset) and not len(packed):
+        logger.warning(
+            "pack_dataset%s made no rows from %d examples (%d empty, %d over-long dropped with overflow=%r): there is "
+            "nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
+            f" ({split})" if split else "", len(dataset), stats.empty_sequences, stats.dropped_sequences, overflow)
     return record_packing(packed.with_format(dataset.format["type"]), max_length), stats
 
 

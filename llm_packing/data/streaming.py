@@ -111,6 +111,11 @@ def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
     stats = PackingStats.from_bin_token_counts(bin_tokens, num_sequences=counts.pop("pieces", 0),
                                                capacity=max_length)
     logger.info("pack_dataset (streaming, buffer_size=%d):\n%s", buffer_size, dataclasses.replace(stats, **counts))
+    if counts and not bin_tokens:
+        logger.warning(
+            "pack_dataset (streaming) made no rows (%d examples empty, %d over-long dropped with overflow=%r): there "
+            "is nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
+            counts["empty_sequences"], counts["dropped_sequences"], options["overflow"])
 
 
 def _pieces(dataset, options, counts: dict[str, int]) -> Iterator[list[tuple[int, tuple[np.ndarray, np.ndarray]]]]:
