@@ -405,15 +405,27 @@ def trl_packed_rows() -> Dataset:
         ({}, None, "prompt-only", PackingValueError, r"`train_dataset` has a `prompt` column but no `completion`"),
         ({"max_length": 16}, None, "trl", PackingValueError,
          r"`train_dataset` has rows of \d+ tokens, longer than `max_length`=16"),
+        ({}, None, "empty", PackingValueError,
+         r"`train_dataset` leaves nothing to train on: all 2 of its documents are empty once prepared.*filter the "
+         r"empty examples out"),
+        ({}, None, "empty-or-untrained", PackingValueError,
+         r"`train_dataset` leaves nothing to train on: of its 2 documents, 1 are empty and the other 1 were left "
+         r"without a trained token within max_length=1024 \(every label -100\), and trl.SFTTrainer drops such"),
+        ({}, None, "packed-empty", PackingValueError,
+         r"`train_dataset` has no rows, so there is nothing to train on: pack_dataset left out every document"),
     ],
     ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller",
          "max_length-larger", "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None",
-         "prompt-only", "rows-longer-than-max_length"],
+         "prompt-only", "rows-longer-than-max_length", "empty-documents", "empty-or-untrained-documents",
+         "packed-to-no-rows"],
 )
 def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, dataset, error, match):
+    empty = {"input_ids": [[], []]}  # Arrow types all-empty lists `list<null>`, labels too once TRL builds them
     train_dataset = {"unpacked": documents, "trl": trl_packed_rows, "questions": lambda: Dataset.from_dict(
-        {"question": ["Why?"]}), "prompt-only": lambda: Dataset.from_dict({"prompt": ["Why?"]})}.get(
-        dataset, packed_rows)()
+        {"question": ["Why?"]}), "prompt-only": lambda: Dataset.from_dict({"prompt": ["Why?"]}),
+        "empty": lambda: Dataset.from_dict(empty), "packed-empty": lambda: pack_dataset(Dataset.from_dict(empty), 32),
+        "empty-or-untrained": lambda: Dataset.from_dict({"input_ids": [[], [5, 6]], "labels": [[], [-100, -100]]}),
+    }.get(dataset, packed_rows)()
     output_dir = tmp_path / "out"
     with pytest.raises(error, match=match):
         PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(output_dir), **{**QUIET, **config}),

@@ -80,6 +80,14 @@ def check_datasets(args: SFTConfig, data_collator, datasets_by_name: dict, forma
             "`train_dataset` is required: a dataset trl.SFTTrainer takes (text, messages, prompt-completion, "
             "tokenized) or rows made by `pack_dataset`."
         )
+    train_dataset = datasets_by_name["train_dataset"]
+    if isinstance(train_dataset, Dataset) and not len(train_dataset):  # TRL would stop on a bare StopIteration
+        packed = is_packed("train_dataset", train_dataset)
+        raise PackingValueError(
+            "`train_dataset` has no rows, so there is nothing to train on"
+            f"{': pack_dataset left out every document (all empty, or over-long and dropped)' if packed else ''}. "
+            f"Pass a dataset with examples{' that have tokens' if packed else ''}."
+        )
     if data_collator is not None and not isinstance(data_collator, DataCollatorWithPacking):
         what = type(data_collator).__name__
         if what == "DataCollatorForLanguageModeling":

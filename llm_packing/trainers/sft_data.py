@@ -145,12 +145,14 @@ def pack_documents(
                 "every token) or `'drop'` to the trainer."
             )
         return pack_dataset(documents, max_length, overflow=overflow, max_docs_per_bin=max_docs_per_bin), None
-    cut = {}
+    cut, prepared = {}, documents
     if overflow == "truncate":
         documents, cut = _truncate_as_trl(documents, prepare, max_length, truncation_mode, name)
     with main_process_first():
         packed, stats = pack_dataset(documents, max_length, overflow=overflow, max_docs_per_bin=max_docs_per_bin,
                                      num_proc=num_proc, return_stats=True)
+    if name == "train" and not len(packed):  # else TRL stops on a bare StopIteration, or the sampler on no rows
+        raise _nothing_to_train(prepared, max_length, overflow)
     if stats.split_sequences or stats.dropped_sequences:
         logger.warning(
             "%s: %d of %d documents are longer than max_length=%d: %s. Raise `max_length` to keep them whole.", name,
@@ -159,6 +161,27 @@ def pack_documents(
             if overflow == "split" else f"{stats.dropped_tokens} tokens left out (overflow={overflow!r})",
         )
     return packed, dataclasses.replace(stats, **cut)
+
+
+def _nothing_to_train(documents: Dataset, max_length: int, overflow: str) -> PackingValueError:
+    """The error for a `train_dataset` whose prepared documents all left the packed rows, saying why they left."""
+    lengths, _ = _lengths_and_trained(documents) if len(documents) else (np.zeros(0, np.int64), None)
+    empty = int((lengths == 0).sum())
+    if empty == len(documents):
+        return PackingValueError(
+            "`train_dataset` leaves nothing to train on: "
+            f"{f'all {empty} of its documents are empty' if empty else 'it has no documents'} once prepared (empty "
+            "`input_ids`, or an empty text field). Check the column trl.SFTTrainer tokenizes (`dataset_text_field`, "
+            "`messages`, ...) or the `input_ids`, and filter the empty examples out."
+        )
+    dropped = (f"longer than max_length={max_length}, and overflow='drop' leaves them out" if overflow == "drop" else
+               f"left without a trained token within max_length={max_length} (every label -100), and trl.SFTTrainer "
+               "drops such examples")
+    return PackingValueError(
+        f"`train_dataset` leaves nothing to train on: of its {len(documents)} documents, {empty} are empty and the "
+        f"other {len(documents) - empty} were {dropped}. Check the labels (`completion_only_loss`, "
+        "`assistant_only_loss`, -100 in `labels`), raise `max_length`, or pass `overflow='split'` to the trainer."
+    )
 
 
 def _truncate_as_trl(documents: Dataset, prepare: Callable, max_length: int, truncation_mode: str, name: str):
@@ -191,8 +214,9 @@ def _lengths_and_trained(documents: Dataset) -> tuple[np.ndarray, np.ndarray]:
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     labels = table.column("labels")
     flat = pc.list_flatten(labels)
-    is_trained = pc.cast(pc.not_equal(flat, pa.scalar(IGNORE_INDEX, flat.type)), pa.int64()).to_numpy(
-        zero_copy_only=False)
+    # Every list empty: Arrow types the labels `list<null>`, and no null scalar holds -100.
+    ignore_index = pa.scalar(IGNORE_INDEX, pa.int64() if pa.types.is_null(flat.type) else flat.type)
+    is_trained = pc.cast(pc.not_equal(flat, ignore_index), pa.int64()).to_numpy(zero_copy_only=False)
     label_lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
     trained_so_far = np.concatenate([[0], np.cumsum(is_trained)])
     ends = np.cumsum(label_lengths)
