@@ -295,6 +295,29 @@ def test_dropping_the_last_batch_says_how_many_documents_it_drops(tmp_path, toke
     assert "drops" not in caplog.text
 
 
+@pytest.mark.parametrize("max_length", [32, 3])
+def test_truncating_and_dropping_are_each_said_only_when_they_happen(tmp_path, tokenizer, caplog, max_length):
+    """An example without a trained token is dropped as TRL drops it, whatever its length: no truncation advice."""
+    untrained = Dataset.from_dict({"input_ids": [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12]],
+                                   "labels": [[-100, 5, 6, 7], [-100, -100, -100], [-100, 10, 11, 12]]})
+    with caplog.at_level("WARNING", logger="llm_packing"):
+        trainer = PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), max_length=max_length,
+                                                                      **QUIET),
+                                   train_dataset=untrained, processing_class=tokenizer)
+    stats = trainer.packing_stats["train"]
+    logged = [record.getMessage() for record in caplog.records if record.name.startswith("llm_packing")]
+    if max_length == 32:
+        assert (stats.truncated_sequences, stats.dropped_sequences) == (0, 1)
+        assert logged == ["train: 1 of 3 examples have no trained token (empty, or every label -100) and were "
+                          "dropped, as trl.SFTTrainer drops them."]
+    else:
+        assert (stats.truncated_sequences, stats.dropped_sequences) == (2, 1)
+        assert len(logged) == 2 and logged[0].endswith("raise `max_length`.")
+        assert logged[0].startswith("train: 2 of 3 documents are longer than max_length=3 and were truncated")
+        assert logged[1] == ("train: 1 of 3 examples have no trained token within max_length=3 (empty, or every "
+                             "label -100) and were dropped, as trl.SFTTrainer drops them.")
+
+
 def test_neftune_noise_follows_each_documents_length(tmp_path, tokenizer, monkeypatch):
     """NEFTune's noise is `alpha / sqrt(length x hidden)`: transformers takes the packed row's length, so documents
     got several times less noise than alone. Here each token's noise is within its own document's bound and reaches

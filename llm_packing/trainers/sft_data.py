@@ -198,13 +198,21 @@ def _truncate_as_trl(documents: Dataset, prepare: Callable, max_length: int, tru
         "dropped_sequences": len(documents) - len(truncated),
         "dropped_tokens": int(np.minimum(lengths, max_length).sum() - lengths_after.sum()),
     }
-    logger.warning(
-        "%s: %d of %d documents are longer than max_length=%d and were truncated as trl.SFTTrainer truncates them "
-        "(truncation_mode=%r): %d tokens cut, %d of them trained on; %d examples left without a trained token were "
-        "dropped. Keep every token with `overflow='split'` (pieces trained as separate documents), refuse them with "
-        "`overflow='error'`, or raise `max_length`.", name, cut["truncated_sequences"], len(documents), max_length,
-        truncation_mode, cut["truncated_tokens"], int(trained.sum() - trained_after.sum()), cut["dropped_sequences"],
-    )
+    # Each warning only when it happened: an example without a trained token is dropped whatever its length.
+    if cut["truncated_sequences"]:
+        logger.warning(
+            "%s: %d of %d documents are longer than max_length=%d and were truncated as trl.SFTTrainer truncates them "
+            "(truncation_mode=%r): %d tokens cut, %d of them trained on. Keep every token with `overflow='split'` "
+            "(pieces trained as separate documents), refuse them with `overflow='error'`, or raise `max_length`.",
+            name, cut["truncated_sequences"], len(documents), max_length, truncation_mode, cut["truncated_tokens"],
+            int(trained.sum() - trained_after.sum()),
+        )
+    if cut["dropped_sequences"]:
+        logger.warning(
+            "%s: %d of %d examples have no trained token%s (empty, or every label -100) and were dropped, as "
+            "trl.SFTTrainer drops them.", name, cut["dropped_sequences"], len(documents),
+            f" within max_length={max_length}" if cut["truncated_sequences"] else "",
+        )
     return truncated, cut
 
 
