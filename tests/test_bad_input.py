@@ -210,6 +210,49 @@ class TestPackDatasetBadOptions:
             pack(container, SMALL, **{name: value})
         assert_packs_normally(container)
 
+    @pytest.mark.parametrize("container", CONTAINERS)
+    @pytest.mark.parametrize(
+        "options, error, match",
+        [
+            ({"cache_file_name": 123}, PackingTypeError,
+             r"`cache_file_name` must be a path \(str or os.PathLike\) or None, got 123 of type int\. Name the Arrow"),
+            ({"cache_file_name": "packed.arrow", "keep_in_memory": True}, PackingValueError,
+             r"`cache_file_name`='packed.arrow' with `keep_in_memory=True`: rows kept in memory are never written"),
+            ({"strategy": "nope"}, PackingValueError, r"`strategy` must be one of \('bfd', .*got 'nope'"),
+            ({"max_docs_per_bin": 0}, PackingValueError, r"`max_docs_per_bin` must be a positive integer or None"),
+            ({"seed": -1}, PackingValueError, r"`seed` must be a non-negative integer or None, got -1"),
+        ],
+        ids=["cache_file_name-int", "cache_file_name-in-memory", "strategy", "max_docs_per_bin", "seed"],
+    )
+    def test_options_are_checked_before_anything_is_read(self, container, options, error, match, tmp_path,
+                                                         monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(error, match=match):
+            pack(container, {"input_ids": [[1, 2, 3, 4, 5]]}, **options)  # refused before the over-long row
+        assert not (tmp_path / "packed.arrow").exists()
+        assert_packs_normally(container)
+
+    @pytest.mark.parametrize("buffer_size", [-1, 1, "x", 2.5])
+    def test_buffer_size_is_checked_without_a_stream_too(self, buffer_size):
+        with pytest.raises(PackingValueError, match=rf"`buffer_size` must be an integer >= 2 \(sequences per buffer, "
+                                                    rf"for streams\), got {shown(buffer_size)}\. Leave it out"):
+            pack_dataset(Dataset.from_dict(SMALL), 4, buffer_size=buffer_size)
+
+    @pytest.mark.parametrize(
+        "options, match",
+        [
+            ({"strategy": "nope"}, r"`strategy` must be one of \('bfd', .*got 'nope'"),
+            ({"max_docs_per_bin": 0}, r"`max_docs_per_bin` must be a positive integer or None"),
+            ({"seed": -1}, r"`seed` must be a non-negative integer \(epoch `e` packs with "
+                           r"`seed_from_components\(seed, e\)`\), got -1\. Pass e.g. `seed=0`"),
+            ({"seed": None}, r"`seed` must be a non-negative integer .*got None"),
+        ],
+        ids=["strategy", "max_docs_per_bin", "seed-negative", "seed-None"],
+    )
+    def test_epochs_options_are_checked_by_the_constructor(self, options, match):
+        with pytest.raises(PackingValueError, match=match):
+            dataset_module.PackedDatasetEpochs(Dataset.from_dict(SMALL), 4, **options)
+
     @pytest.mark.parametrize("name", ["return_position_ids", "keep_in_memory", "load_from_cache_file"])
     def test_epochs_boolean_options_take_bools(self, name):
         with pytest.raises(PackingTypeError, match=rf"`{name}` must be a bool \(True or False\).*got 'no'"):

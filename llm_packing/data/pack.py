@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 from datasets.utils.tqdm import tqdm
 
-from ..core.binpack import seed_from_components
+from ..core.binpack import check_options, seed_from_components
 from ..core.checks import check_bool, check_integer
 from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
 from ..core.plan import plan_rows
@@ -107,8 +107,9 @@ def pack_dataset(
             `seq_lengths` as ours and TRL's `padding_free=True` one do.
         keep_in_memory (`bool`, *optional*, defaults to `False`):
             Keep the packed rows in memory instead of writing them to a cache file.
-        cache_file_name (`str`, *optional*):
-            The cache file to write (and to load if it exists), as in `Dataset.map`; a `Dataset` only.
+        cache_file_name (`str` or `os.PathLike`, *optional*):
+            The cache file to write (and to load if it exists), as in `Dataset.map`; a `Dataset` only, and not with
+            `keep_in_memory=True`.
         load_from_cache_file (`bool`, *optional*):
             Load an existing cache file instead of packing again; defaults to `datasets.is_caching_enabled()`.
         buffer_size (`int`, *optional*, defaults to `10000`):
@@ -162,6 +163,8 @@ def pack_dataset(
         check_bool(name, value)
     check_bool("load_from_cache_file", load_from_cache_file, optional=True)
     check_integer("num_proc", num_proc, optional=True, meaning="processes that write the packed rows")
+    check_options(max_length, strategy, seed, max_docs_per_bin)
+    _check_cache_file_name(cache_file_name, keep_in_memory)
     options = {"strategy": strategy, "seed": seed, "max_docs_per_bin": max_docs_per_bin}
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         if return_stats:
@@ -171,10 +174,14 @@ def pack_dataset(
             )
         options.update(overflow=overflow, buffer_size=buffer_size)
         return _pack_streams(dataset, max_length, options, return_position_ids, processor, chat_template)
+    # Unused without a stream, but checked alike: a bad value would fail once the same call is given a stream.
+    check_integer("buffer_size", buffer_size, minimum=2, meaning="sequences per buffer, for streams",
+                  fix="Leave it out for a map-style dataset (the default is 10_000).")
     options["return_position_ids"] = return_position_ids
     image_text = {"processor": processor, "chat_template": chat_template}
-    storage = {"keep_in_memory": keep_in_memory, "cache_file_name": cache_file_name,
-                   "load_from_cache_file": load_from_cache_file}
+    storage = {"keep_in_memory": keep_in_memory,
+               "cache_file_name": None if cache_file_name is None else os.fspath(cache_file_name),
+               "load_from_cache_file": load_from_cache_file}
     if isinstance(dataset, datasets.DatasetDict):
         if cache_file_name is not None:
             raise PackingValueError(
@@ -200,6 +207,21 @@ def pack_dataset(
             f"{type(dataset).__name__}. Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
         )
     return (result, stats) if return_stats else result
+
+
+def _check_cache_file_name(cache_file_name, keep_in_memory: bool) -> None:
+    if cache_file_name is not None and not isinstance(cache_file_name, (str, os.PathLike)):
+        raise PackingTypeError(
+            f"`cache_file_name` must be a path (str or os.PathLike) or None, got {cache_file_name!r} of type "
+            f"{type(cache_file_name).__name__}. Name the Arrow file to write, e.g. `cache_file_name='packed.arrow'`, "
+            "or leave it out for the datasets cache to name it."
+        )
+    if cache_file_name is not None and keep_in_memory:
+        raise PackingValueError(
+            f"`cache_file_name`={cache_file_name!r} with `keep_in_memory=True`: rows kept in memory are never written "
+            "to that file. Leave out `keep_in_memory` to write the rows there, or `cache_file_name` to keep them in "
+            "memory (`Dataset.map` refuses the pair too)."
+        )
 
 
 def _pack_streams(dataset, max_length, options, return_position_ids, processor, chat_template):
@@ -294,6 +316,9 @@ class PackedDatasetEpochs:
         check_bool("return_position_ids", return_position_ids)
         check_bool("keep_in_memory", keep_in_memory)
         check_bool("load_from_cache_file", load_from_cache_file, optional=True)
+        check_integer("seed", seed, minimum=0, meaning="epoch `e` packs with `seed_from_components(seed, e)`",
+                      fix="Pass e.g. `seed=0`.")
+        check_options(max_length, strategy, seed, max_docs_per_bin)
         if not isinstance(dataset, datasets.Dataset):
             raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
         if "seq_lengths" in dataset.column_names:
