@@ -263,6 +263,21 @@ class TestPackDatasetBadOptions:
         with pytest.raises(PackingTypeError, match=rf"`dataset` must be a datasets .* got {type(dataset).__name__}"):
             pack_dataset(dataset, 4)
 
+    @pytest.mark.parametrize(
+        "dataset, match",
+        [
+            (DatasetDict({"train": Dataset.from_dict(SMALL)}),
+             r"got DatasetDict\. Repack each split on its own, e\.g\. `PackedDatasetEpochs\(dataset\['train'\], "),
+            (Dataset.from_dict(SMALL).to_iterable_dataset(), r"got IterableDataset\. A stream is read once, so it is "
+             r"not repacked: call `pack_dataset\(dataset, max_length, seed=epoch\)` for each epoch"),
+            ([{"input_ids": [1]}], r"got list\. Wrap your examples with `datasets\.Dataset\.from_dict`"),
+        ],
+        ids=["dataset-dict", "stream", "list"],
+    )
+    def test_epochs_not_a_dataset_says_what_to_pass(self, dataset, match):
+        with pytest.raises(PackingTypeError, match=rf"`dataset` must be a datasets\.Dataset, {match}"):
+            dataset_module.PackedDatasetEpochs(dataset, 4)
+
     @pytest.mark.parametrize("epoch", [1.5, None, "0"])
     def test_epochs_repack_needs_an_integer_epoch(self, epoch):
         epochs = dataset_module.PackedDatasetEpochs(Dataset.from_dict(SMALL), 4)

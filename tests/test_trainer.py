@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset, load_from_disk
+from datasets import Dataset, DatasetDict, load_from_disk
 from loss_recording import LossRecordingPackedSFTTrainer, LossRecordingSFTTrainer, first_step_loss
 from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import SFTConfig, SFTTrainer
@@ -436,11 +436,13 @@ def trl_packed_rows() -> Dataset:
          r"without a trained token within max_length=1024 \(every label -100\), and trl.SFTTrainer drops such"),
         ({}, None, "packed-empty", PackingValueError,
          r"`train_dataset` has no rows, so there is nothing to train on: pack_dataset left out every document"),
+        ({}, None, "splits", PackingTypeError, r"`train_dataset` must be a datasets Dataset or IterableDataset, got a "
+         r"DatasetDict of the splits \['test', 'train'\]\. Pass one split, e\.g\. `train_dataset=dataset\['train'\]`"),
     ],
     ids=["packing", "padding_free", "assistant_only_loss", "trl-collator", "max_length-smaller",
          "max_length-larger", "collator-max_length", "unknown-format", "skip_prepare-unpacked", "max_length-None",
          "prompt-only", "rows-longer-than-max_length", "empty-documents", "empty-or-untrained-documents",
-         "packed-to-no-rows"],
+         "packed-to-no-rows", "dataset-dict"],
 )
 def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, dataset, error, match):
     empty = {"input_ids": [[], []]}  # Arrow types all-empty lists `list<null>`, labels too once TRL builds them
@@ -448,6 +450,7 @@ def test_packed_sft_trainer_refusals(tmp_path, tokenizer, config, collator, data
         {"question": ["Why?"]}), "prompt-only": lambda: Dataset.from_dict({"prompt": ["Why?"]}),
         "empty": lambda: Dataset.from_dict(empty), "packed-empty": lambda: pack_dataset(Dataset.from_dict(empty), 32),
         "empty-or-untrained": lambda: Dataset.from_dict({"input_ids": [[], [5, 6]], "labels": [[], [-100, -100]]}),
+        "splits": lambda: DatasetDict({"test": documents([3]), "train": documents()}),
     }.get(dataset, packed_rows)()
     output_dir = tmp_path / "out"
     with pytest.raises(error, match=match):

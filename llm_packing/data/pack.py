@@ -320,7 +320,7 @@ class PackedDatasetEpochs:
                       fix="Pass e.g. `seed=0`.")
         check_options(max_length, strategy, seed, max_docs_per_bin)
         if not isinstance(dataset, datasets.Dataset):
-            raise PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
+            raise _not_a_dataset_to_repack(dataset)
         if "seq_lengths" in dataset.column_names:
             raise already_packed_error("`dataset`")
         if is_image_text(dataset):
@@ -343,6 +343,18 @@ class PackedDatasetEpochs:
         packed, self.stats = _pack_split(self._dataset, self._max_length, self._overflow, options, self._storage,
                                          documents=self._documents)
         return packed
+
+
+def _not_a_dataset_to_repack(dataset) -> PackingTypeError:
+    if isinstance(dataset, datasets.DatasetDict):
+        split = "train" if "train" in dataset else next(iter(dataset), "train")
+        fix = f"Repack each split on its own, e.g. `PackedDatasetEpochs(dataset[{split!r}], max_length)`."
+    elif isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        fix = ("A stream is read once, so it is not repacked: call `pack_dataset(dataset, max_length, seed=epoch)` "
+               "for each epoch, or load it map-style (`load_dataset(..., streaming=False)`).")
+    else:
+        fix = "Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
+    return PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}. {fix}")
 
 
 class _Documents:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from ..core.overflow import check_overflow_policy
 from ..core.rows import IGNORE_INDEX
@@ -45,6 +45,12 @@ def column_names(name: str, dataset) -> list[str]:
         return dataset.column_names
     if isinstance(dataset, IterableDataset):
         return dataset.column_names or list(next(iter(dataset), {}))
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        split = "train" if "train" in dataset else next(iter(dataset), "train")
+        raise PackingTypeError(
+            f"`{name}` must be a datasets Dataset or IterableDataset, got a {type(dataset).__name__} of the splits "
+            f"{list(dataset)}. Pass one split, e.g. `{name}=dataset[{split!r}]`."
+        )
     raise PackingTypeError(
         f"`{name}` must be a datasets Dataset or IterableDataset, got {type(dataset).__name__}. Wrap your examples "
         "with `datasets.Dataset.from_list`."
