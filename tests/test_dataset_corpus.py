@@ -104,10 +104,21 @@ class TestMemoryMappedInput:
         monkeypatch.setattr(dataset_module, "write_rows", lambda *args, between_groups, **kwargs: real(
             *args, between_groups=lambda: (asked.append(1), between_groups())[-1], **kwargs))
         ds = mapped(tmp_path, {"input_ids": [[1, 2]] * 39 + [[2**31, 2]]}, rows_per_batch=3, name="bad.arrow")
-        with pytest.raises(PackingValueError, match=r"Column 'input_ids' holds 2147483648"):
+        with pytest.raises(PackingValueError, match=r"Column 'input_ids' in row 39 holds 2147483648"):
             pack_dataset(ds, 4, cache_file_name=str(tmp_path / "packed.arrow"))
         assert [path.name for path in tmp_path.iterdir()] == ["bad.arrow"]
         assert asked
+
+    @pytest.mark.parametrize("column, bad", [("input_ids", -5), ("input_ids", 2**31), ("input_ids", None),
+                                             ("labels", -7), ("labels", None)])
+    def test_a_bad_value_names_its_row_across_chunks_and_windows(self, tmp_path, monkeypatch, column, bad):
+        """The windows' min/max says only that a value is wrong; the row is found after, and only then."""
+        monkeypatch.setattr(token_columns, "_CHECK_WINDOW", 5)
+        rows = [[1, 2]] * 20 + [[3, bad]] + [[4, 2**31 if column == "input_ids" else -9]] + [[5, 6]] * 8
+        columns = {"input_ids": rows} if column == "input_ids" else {"input_ids": [[1, 2]] * 30, "labels": rows}
+        shown = "a null value" if bad is None else bad
+        with pytest.raises(PackingValueError, match=rf"Column '{column}' in row 20 holds {shown}"):
+            pack_dataset(mapped(tmp_path, columns, rows_per_batch=3), 4)
 
     def test_value_checks_raise_the_first_failure_and_only_what_is_done_unless_waiting(self):
         checks, release = token_columns.ValueChecks(), threading.Event()

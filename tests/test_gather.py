@@ -129,7 +129,7 @@ class TestIndicesMapping:
     def test_a_bad_row_left_out_is_no_error_and_a_picked_one_is_named(self, tmp_path):
         ds = mapped(tmp_path, {"input_ids": [[1, 2]] * 9 + [[-5, 2]]}, rows_per_batch=3)
         assert sorted(pack_dataset(ds.select(range(9)), 4)["seq_lengths"]) == [[2]] + [[2, 2]] * 4
-        with pytest.raises(PackingValueError, match=r"Column 'input_ids' holds -5: token ids"):
+        with pytest.raises(PackingValueError, match=r"Column 'input_ids' in row 0 holds -5: token ids"):
             pack_dataset(ds.select([9, 0]), 4)
         labelled = Dataset.from_dict({"input_ids": [[1, 2]] * 4, "labels": [[1, 2]] * 3 + [[1, -7]]})
         with pytest.raises(PackingValueError, match=r"'labels' in row 1 holds -7"):

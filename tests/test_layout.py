@@ -66,7 +66,7 @@ def test_every_producer_lays_a_row_out_alike():
 def test_every_producer_refuses_a_bad_id_alike(bad):
     dataset = Dataset.from_dict({"input_ids": [[1, 2], [3, bad]]})
     message = rf"holds {bad}: token ids index the embedding matrix and must be in \[0, {INT32_MAX}\]"
-    with pytest.raises(PackingValueError, match=rf"Column 'input_ids' {message}"):
+    with pytest.raises(PackingValueError, match=rf"Column 'input_ids' in row 1 {message}"):
         pack_dataset(dataset, 4)
     with pytest.raises(PackingValueError, match=rf"'input_ids' of example 1 {message}"):
         list(pack_dataset(dataset.to_iterable_dataset(), 4))

@@ -15,7 +15,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ...core.rows import (
-    IGNORE_INDEX,
     INT32_MAX,
     MASK_COLUMNS,
     invalid_tokens,
@@ -175,15 +174,18 @@ def _checked_lengths(column: pa.ChunkedArray, name: str, lengths: np.ndarray | N
 
 def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray, pages) -> None:
     """No null inside a list; ids in [0, INT32_MAX]; labels also -100 (masks: any integer or boolean). Read a window
-    at a time, so that `pages` can give back what was read."""
-    nulls = pc.list_flatten(column).null_count
-    if nulls:
+    at a time, so that `pages` can give back what was read; only a failed check reads the values again, to name the
+    first row at fault."""
+    flat = pc.list_flatten(column)
+    if flat.null_count:
+        index = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+        row = int(np.searchsorted(np.cumsum(lengths), index, side="right"))
         raise PackingValueError(
-            f"Column {name!r} holds {nulls} null values inside its lists. Every token needs an integer."
+            f"Column {name!r} in row {row} holds a null value inside its list ({flat.null_count} in the column). "
+            "Every token needs an integer: fill or filter that row before packing."
         )
     if name in MASK_COLUMNS:
         return
-    low = 0 if name == "input_ids" else IGNORE_INDEX
     lows, highs = [], []
     for first, last in row_windows(lengths):
         extremes = pc.min_max(pc.list_flatten(column.slice(first, last - first))).as_py()  # streams: nothing copied
@@ -191,10 +193,9 @@ def _check_values(column: pa.ChunkedArray, name: str, lengths: np.ndarray, pages
             lows.append(extremes["min"])
             highs.append(extremes["max"])
         _check_pages(pages)
-    if lows and (min(lows) < low or max(highs) > INT32_MAX):
-        bad = min(lows) if min(lows) < low else max(highs)
-        raise token_error(name, f"Column {name!r}", bad)
-    if low == 0 or not lows or min(lows) >= 0:
+    # Outside [0, INT32_MAX]: a wrong value somewhere, or labels' -100 only. The rows are read to tell, and to name
+    # the first row at fault.
+    if not lows or (min(lows) >= 0 and max(highs) <= INT32_MAX):
         return
     row_ends = np.cumsum(lengths)
     for first, last in row_windows(lengths):
