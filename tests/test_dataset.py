@@ -244,6 +244,16 @@ class TestStreaming:
         with pytest.raises(PackingValueError, match=r"`buffer_size` must be an integer >= 2"):
             pack_dataset(stream, 2, buffer_size=1)
 
+    @pytest.mark.parametrize("column", ["labels", "completion_mask", "input_ids"])
+    def test_a_null_column_is_refused_as_map_style_refuses_it(self, column):
+        """A null `completion_mask` meant "train every token" when streamed, and a null `labels` was a dtype error."""
+        dataset = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], column: [[1, 1, 1], None]})
+        with pytest.raises(PackingValueError, match=rf"Column '{column}' is null in row 1\. Fill or filter that row"):
+            pack_dataset(dataset, 8)
+        with pytest.raises(PackingValueError, match=rf"'{column}' of example 1 of the stream is null\. Fill or filter "
+                                                    r"that example before packing"):
+            list(pack_dataset(dataset.to_iterable_dataset(), 8))
+
 
 class TestRefusedInput:
     """Input that would pack without an error but train on the wrong tokens: rows packed already, and padding."""

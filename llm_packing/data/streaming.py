@@ -156,12 +156,17 @@ def _document(example: dict, row: int) -> tuple[np.ndarray, np.ndarray]:
         )
     if "seq_lengths" in example:
         raise already_packed_error(f"Example {row} of the stream")
+    for name in ("input_ids", "labels", *MASK_COLUMNS):  # as map-style packing refuses a null row
+        if name in example and example[name] is None:
+            raise PackingValueError(
+                f"{name!r} of example {row} of the stream is null. Fill or filter that example before packing."
+            )
     input_ids = _integers(example["input_ids"], "input_ids", row)
     if example.get("attention_mask") is not None and not np.all(example["attention_mask"]):
         raise padding_error(f"'attention_mask' of example {row}")
     labels = _integers(example["labels"], "labels", row, len(input_ids)) if "labels" in example else input_ids.copy()
     for name in MASK_COLUMNS:
-        if example.get(name) is not None:
+        if name in example:
             ignore_masked(labels, _integers(example[name], name, row, len(input_ids)))
     return input_ids, labels
 
