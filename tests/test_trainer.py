@@ -295,6 +295,28 @@ def test_dropping_the_last_batch_says_how_many_documents_it_drops(tmp_path, toke
     assert "drops" not in caplog.text
 
 
+@pytest.mark.parametrize("config_max_length", [1024, 2048, None])
+def test_rows_longer_than_an_sftconfig_max_length_of_1024_are_warned_of(tmp_path, tokenizer, caplog,
+                                                                         config_max_length):
+    """1024 is SFTConfig's default, so it counts as unset for packed rows: an explicit 1024 cannot be told apart."""
+    rows = pack_dataset(documents([900, 900, 200]), 2048)
+    args = SFTConfig(output_dir=str(tmp_path), **QUIET, **({} if config_max_length is None else
+                                                           {"max_length": config_max_length}))
+    with caplog.at_level("WARNING", logger="llm_packing"):
+        trainer = PackedSFTTrainer(model=tiny_model(), args=args, train_dataset=rows, processing_class=tokenizer,
+                                   verify_packing=False)
+    assert trainer.args.max_length == trainer.data_collator.max_length == 2048
+    warned = ("SFTConfig's max_length is 1024, TRL's default, so it was taken as unset: the packed rows' max_length "
+              "2048 is used. If you set 1024 yourself, pack with `pack_dataset(..., max_length=1024)`; otherwise "
+              "pass `SFTConfig(max_length=2048)` to silence this.")
+    assert (warned in caplog.text) == (config_max_length != 2048)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llm_packing"):  # rows shorter than 1024 fit what it would have bounded
+        PackedSFTTrainer(model=tiny_model(), args=SFTConfig(output_dir=str(tmp_path), **QUIET),
+                         train_dataset=packed_rows(), processing_class=tokenizer, verify_packing=False)
+    assert "TRL's default" not in caplog.text
+
+
 @pytest.mark.parametrize("max_length", [32, 3])
 def test_truncating_and_dropping_are_each_said_only_when_they_happen(tmp_path, tokenizer, caplog, max_length):
     """An example without a trained token is dropped as TRL drops it, whatever its length: no truncation advice."""

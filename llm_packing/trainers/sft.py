@@ -41,7 +41,7 @@ class PackedSFTTrainer(SFTTrainer):
       `completion_only_loss`), then packed, each split at once, by [`~llm_packing.data.pack.pack_dataset`] into rows
       of `SFTConfig.max_length` tokens (1024 by default). Documents longer than that follow `overflow`;
     - rows made by `pack_dataset` (`input_ids` + `seq_lengths`): trained as they are, at the `max_length` they were
-      packed to (`SFTConfig`'s default 1024 then counts as unset).
+      packed to (`SFTConfig`'s default 1024 then counts as unset, with a warning when the rows are longer).
 
     On top of `SFTTrainer`: batches are collated by [`~llm_packing.batches.collator.DataCollatorWithPacking`]
     (indexed `attention_mask`, restarting `position_ids`, -100 on each document's first label); when rows hold several

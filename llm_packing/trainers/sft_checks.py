@@ -152,6 +152,14 @@ def agreed_max_length(args: SFTConfig, data_collator, datasets_by_name: dict) ->
                 f"refused mid-training. Set `max_length` to at least {longest} (SFTConfig or recipe), or pack with "
                 f"`pack_dataset(..., max_length={max_length})`."
             )
+    if not to_pack and args.max_length == DEFAULT_MAX_LENGTH and (max_length or 0) > DEFAULT_MAX_LENGTH:
+        # An explicit 1024 looks like the default: the rows, longer than it asked, may not fit the memory it meant.
+        logger.warning(
+            "SFTConfig's max_length is %d, TRL's default, so it was taken as unset: the packed rows' max_length %d is "
+            "used. If you set %d yourself, pack with `pack_dataset(..., max_length=%d)`; otherwise pass "
+            "`SFTConfig(max_length=%d)` to silence this.", DEFAULT_MAX_LENGTH, max_length, DEFAULT_MAX_LENGTH,
+            DEFAULT_MAX_LENGTH, max_length,
+        )
     return max_length
 
 
