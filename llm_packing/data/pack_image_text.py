@@ -165,8 +165,11 @@ def conversation_pieces(tokens: np.ndarray, images_end: np.ndarray, max_length: 
 
 
 def _undecoded(feature):
+    """The packed rows' type of a media column: undecoded (the collator decodes as `datasets` would, once per batch),
+    except images with a `mode` (`Image(mode="RGB")`), which `datasets` decodes: the mode conversion travels with the
+    column type only, and an RGBA photo then fed the processor other pixels than TRL's (0.88 off in the logits)."""
     if isinstance(feature, datasets.Image):
-        return datasets.Image(mode=feature.mode, decode=False)
+        return datasets.Image(mode=feature.mode, decode=feature.mode is not None)
     if isinstance(feature, datasets.Video):
         return datasets.Video(decode=False)
     if isinstance(feature, (datasets.List, datasets.LargeList)):
