@@ -15,7 +15,13 @@ import torch
 from flash_op_stand_in import flash_op_on_cpu, flash_op_stand_in
 from tiny_models import packed_batch, tiny_model
 
-from llm_packing import PackingValueError, UnsupportedSetupError, configure_packing, packing_configured
+from llm_packing import (
+    PackingValueError,
+    UnsupportedSetupError,
+    configure_packing,
+    packing_configured,
+    unconfigure_packing,
+)
 from llm_packing.cli.arguments import PackingArguments
 from llm_packing.hook import documents
 from llm_packing.hook.attention import flash_op, route as route_switch, varlen
@@ -147,6 +153,63 @@ def test_a_forward_after_an_interrupted_one_reads_its_own_documents():
         buffer[:] = second.numpy()
         assert torch.equal(model(input_ids=ids, attention_mask=torch.from_numpy(buffer)).logits, expected)
     assert not documents.forwards_running_elsewhere()
+
+
+def test_forwards_after_unconfiguring_inside_one_read_their_own_documents():
+    """`unconfigure_packing()` inside a forward removes the hook that ends it: the next model configured still starts
+    each forward from no documents (a mask rewritten in place is read again), and another thread may unconfigure."""
+    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = configure_packing(tiny_model("llama", "sdpa"))
+    handle = model.model.norm.register_forward_hook(lambda *args: unconfigure_packing())  # after the layers
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=first)
+    handle.remove()
+    other = tiny_model("qwen2", "sdpa")
+    with packing_configured(other), torch.no_grad():
+        expected = other(input_ids=ids, attention_mask=second.clone()).logits
+        buffer = first.numpy().copy()
+        other(input_ids=ids, attention_mask=torch.from_numpy(buffer))
+        buffer[:] = second.numpy()
+        assert torch.equal(other(input_ids=ids, attention_mask=torch.from_numpy(buffer)).logits, expected)
+        assert not documents.forwards_running_elsewhere()
+
+
+def test_inference_tensors_rewritten_in_place_for_a_model_configured_from_its_config():
+    """Configured from its config, a model has no forward hooks: an inference tensor (no version count) refilled in
+    place between forwards must not pass for the previous forward's mask (it ran on that layout: 0.52 off)."""
+    from llm_packing.hook.masks import document_position_ids
+
+    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama", "sdpa")
+    configure_packing(model.config)
+    try:
+        with torch.inference_mode():
+            expected = model(input_ids=ids, attention_mask=second.clone(),
+                             position_ids=document_position_ids(second)).logits
+            mask, positions = first.clone(), document_position_ids(first)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions)
+            mask.copy_(second)
+            positions.copy_(document_position_ids(second))
+            assert torch.equal(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, expected)
+    finally:
+        unconfigure_packing()
+
+
+def test_a_bool_mask_without_positions_costs_no_host_copy(monkeypatch):
+    """The restarting-positions check of a bool or float 0/1 mask reads the positions on the host: only where a
+    forward gives positions of the whole row (not while decoding, nor without them)."""
+    copies = []
+    monkeypatch.setattr(documents, "_to_host", lambda tensor, _f=documents._to_host: copies.append(1) or _f(tensor))
+    model = tiny_model("llama", "sdpa")
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with packing_configured(model), torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones(2, 8, dtype=torch.bool))
+        model(input_ids=ids, attention_mask=torch.ones(2, 8))
+        assert not copies
+        model.generate(ids, attention_mask=torch.ones(2, 8, dtype=torch.bool), max_new_tokens=3, do_sample=False)
+        assert not copies
 
 
 def test_inference_mode_forwards_equal_no_grad_ones_with_one_host_copy(monkeypatch):

@@ -24,7 +24,7 @@ from . import registry
 from .attention import chunked, mask_functions, varlen
 from .attention.route import mask_for_builder
 from .cache import use_cache_fix
-from .documents import documents_of, get_unpad_data
+from .documents import documents_of, get_unpad_data, positions_were_given
 from .masks import document_position_ids, is_integer_mask
 from .support.table import ROW_LENGTH_LIMITS
 
@@ -67,10 +67,15 @@ def _wrap_builder(original):
             _refuse_prepared_mask_in_training(attention_mask)
         if not is_integer_mask(attention_mask):
             _refuse_float_document_ids(attention_mask)
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.numel():
+            positions = arguments.get("position_ids")
+            if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.numel()
+                    and isinstance(positions, torch.Tensor) and positions.shape[-1] == attention_mask.shape[-1]
+                    and positions_were_given()):
                 # A bool or float 0/1 mask is no packed one, but `position_ids` restarting inside it are packed
-                # documents attending to each other, as with an integer one (0.21 off alone on a tiny Llama).
-                check_documents(attention_mask, arguments.get("position_ids"))
+                # documents attending to each other, as with an integer one (0.21 off alone on a tiny Llama). Only
+                # with positions of the whole row that the forward was given: no host copy otherwise (a decoding
+                # step's, or the `0..length` a model numbers its tokens with).
+                check_documents(attention_mask, positions)
             return original(*args, **kwargs)
         if not check_documents(attention_mask, arguments.get("position_ids")):
             return original(*args, **kwargs)

@@ -197,6 +197,7 @@ def unconfigure_packing() -> None:
                 "other. Unconfigure once every thread's training or inference has ended (join them first)."
             )
         registry.restore_all()
+        documents.end_all_forwards()
         route.reset_route()
         trainer_columns.keep_columns_for_live_collators()
 

@@ -184,27 +184,33 @@ class _PerThread(threading.local):
     states: dict[str, ForwardDocuments]
     depth: int  # configured models' forwards running on this thread, nested
     outermost: Any  # the module whose forward began at depth 0
+    generation: int  # `_generation` when it began
+    positions_given: bool  # whether the latest configured module entered was given `position_ids`
 
     def __init__(self):
-        self.states, self.depth, self.outermost = {}, 0, None
+        self.states, self.depth, self.outermost, self.generation = {}, 0, None, 0
+        self.positions_given = True
 
 
 _per_thread = _PerThread()
 
 
 _running: set[int] = set()  # the threads running a configured model's forward (`threading.get_ident()`)
+_generation = 0  # counts `unconfigure_packing` calls: a forward begun before one has lost the hooks that end it
 
 
-def enter_forward(module) -> None:
+def enter_forward(module, *, positions_given: bool = True) -> None:
     """`module`, a configured model's causal LM or base model, starts a forward on this thread (its pre-hook): the
     outermost one forgets the documents earlier forwards read, so that none can pass for this forward's. The outermost
     module entered again counts as a new forward: an interrupted one (`KeyboardInterrupt`, or an error in a compiled
-    model) never ran the hook that ends it."""
-    if _per_thread.depth == 0 or module is _per_thread.outermost:
+    model) never ran the hook that ends it; so does any forward after `unconfigure_packing`, which removed that hook
+    from forwards it interrupted ([`end_all_forwards`])."""
+    if _per_thread.depth == 0 or module is _per_thread.outermost or _per_thread.generation != _generation:
         _per_thread.states.clear()
-        _per_thread.depth, _per_thread.outermost = 0, module
+        _per_thread.depth, _per_thread.outermost, _per_thread.generation = 0, module, _generation
         _running.add(threading.get_ident())
     _per_thread.depth += 1
+    _per_thread.positions_given = positions_given
 
 
 def leave_forward() -> None:
@@ -213,6 +219,27 @@ def leave_forward() -> None:
     if _per_thread.depth == 0:
         _per_thread.outermost = None
         _running.discard(threading.get_ident())
+
+
+def end_all_forwards() -> None:
+    """`unconfigure_packing` removed the hooks that end forwards: every forward begun before counts as ended (on
+    every thread, at its next forward)."""
+    global _generation
+    _generation += 1
+    _running.clear()
+    _per_thread.states.clear()
+    _per_thread.depth, _per_thread.outermost = 0, None
+
+
+def positions_were_given() -> bool:
+    """Whether this thread's configured forward was given `position_ids` (else the model numbered its tokens itself,
+    `0..length`); True outside one, where it cannot be told."""
+    return _per_thread.positions_given or not _in_forward()
+
+
+def _in_forward() -> bool:
+    """Whether a configured model's forward runs on this thread (begun since the last `unconfigure_packing`)."""
+    return _per_thread.depth > 0 and _per_thread.generation == _generation
 
 
 def forwards_running_elsewhere() -> list[int]:
@@ -303,6 +330,8 @@ def same_elements(held: torch.Tensor, version, tensor: torch.Tensor) -> bool:
     how per-forward state recognises the tensor it was derived from."""
     if tensor.numel() == 0:
         return False
+    if version is None and not _in_forward():
+        return False  # an inference tensor outside a configured model's forward: its storage may hold another mask
     same = held is tensor or (
         held.device == tensor.device and held.dtype == tensor.dtype and held.shape == tensor.shape
         and held.stride() == tensor.stride() and held.storage_offset() == tensor.storage_offset()

@@ -44,7 +44,7 @@ def scope_documents_to_forwards(model: torch.nn.Module) -> None:
 
 
 def _enter_forward(module, args, kwargs):
-    enter_forward(module)
+    enter_forward(module, positions_given=kwargs.get("position_ids") is not None)
 
 
 def _leave_forward(module, args, kwargs, output):

@@ -125,7 +125,8 @@ def require_sequence_parallel_support(config, sequence_parallel_size: int) -> No
             f"Sequence parallelism cannot be used with model_type {model_type!r} while its config sets "
             "`output_router_logits=True`: the MoE load-balancing loss is a statistic over all tokens of the batch, "
             "and each rank holds only its piece of every row. Set `model.config.output_router_logits = False` (no "
-            "auxiliary loss), or `sequence_parallel_size: 1`."
+            "auxiliary loss; TRL's trainers set it from `router_aux_loss_coef`, so pass "
+            "`SFTConfig(router_aux_loss_coef=0.0)` there), or `sequence_parallel_size: 1`."
         )
     check_heads(config.num_attention_heads, sequence_parallel_size)
 
