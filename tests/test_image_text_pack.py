@@ -144,6 +144,16 @@ def test_bad_input_is_refused_before_packing(tmp_path):
         pack_dataset(text_and_images, 200, processor=processor)
     with pytest.raises(PackingValueError, match=r"image-text conversations are not repacked per epoch yet"):
         PackedDatasetEpochs(dataset([conversation(0)]), 200)
+    # Conversations without an image column, with a processor: it said "no 'input_ids' column, tokenize it first"
+    messages_only = dataset([conversation(0)]).remove_columns("images")
+    with pytest.raises(PackingValueError, match=r"`processor` was given, but `dataset` has no image or video column "
+                                                r"\(columns: \['messages'\]\).*Add an `images` column"):
+        pack_dataset(messages_only, 200, processor=processor)
+    # A stream of conversations with videos and no image column: it said "no 'input_ids'" too
+    videos_only = messages_only.add_column("videos", [[{"bytes": b"\x00", "path": None}]]).to_iterable_dataset()
+    with pytest.raises(PackingValueError, match=r"holds videos \(1 in `videos`\): streams of conversations with "
+                                                r"videos are not packed yet"):
+        list(pack_dataset(videos_only, 200, processor=processor))
 
 
 def test_packing_again_loads_the_cached_rows(tmp_path):

@@ -29,6 +29,7 @@ from ..errors import PackingValueError
 from .image_text import ConversationPlanner
 from .pack_image_text import (
     IMAGE_COLUMNS,
+    VIDEO_COLUMN,
     check_format,
     conversation_pieces,
     image_column,
@@ -54,15 +55,16 @@ class _Document(NamedTuple):
 
 def is_image_text_stream(dataset: datasets.IterableDataset, processor) -> bool:
     """
-    Whether the stream `dataset` is in TRL's vision format (an `images` or `image` column). A stream whose features are
-    unknown is told by its first example, read only when a `processor` is given (a text stream needs none).
+    Whether the stream `dataset` is in TRL's vision format (an `images`, `image` or `videos` column), as
+    `is_image_text` tells a map-style dataset. A stream whose features are unknown is told by its first example, read
+    only when a `processor` is given (a text stream needs none).
     """
     if dataset.features is not None:
-        return any(name in dataset.features for name in IMAGE_COLUMNS)
+        return any(name in dataset.features for name in (*IMAGE_COLUMNS, VIDEO_COLUMN))
     if processor is None:
         return False
     first = next(iter(_as_stored(dataset).take(1)), {})
-    return any(name in first for name in IMAGE_COLUMNS)
+    return any(name in first for name in (*IMAGE_COLUMNS, VIDEO_COLUMN))
 
 
 def pack_image_text_stream(
@@ -178,6 +180,12 @@ def _as_stored(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
 def _conversation(example: dict, row: int) -> tuple[list[dict], list, list | None]:
     """`(messages, images, stored)` of one example: its images as planned, and as its packed row holds them (a single
     `image` becomes a list of one), both as in map-style packing."""
+    if example.get("videos"):
+        raise PackingValueError(
+            f"Example {row} of the stream holds videos ({len(example['videos'])} in `videos`): streams of "
+            "conversations with videos are not packed yet. Pack them as a map-style dataset (`load_dataset(..., "
+            "streaming=False)` or `Dataset.from_generator`), or leave the videos out of the stream."
+        )
     name = next((name for name in IMAGE_COLUMNS if name in example), None)
     if name is None or "messages" not in example:
         raise PackingValueError(
@@ -185,12 +193,6 @@ def _conversation(example: dict, row: int) -> tuple[list[dict], list, list | Non
             f"{sorted(example)}). Image-text rows are streamed in TRL's conversational format: `messages` (a list of "
             "{'role', 'content'}) beside `images` (or `image`) in every example. Fix that example, or filter the "
             "stream before packing."
-        )
-    if example.get("videos"):
-        raise PackingValueError(
-            f"Example {row} of the stream holds videos ({len(example['videos'])} in `videos`): streams of "
-            "conversations with videos are not packed yet. Pack them as a map-style dataset (`load_dataset(..., "
-            "streaming=False)` or `Dataset.from_generator`), or leave the videos out of the stream."
         )
     value = example[name]
     if name == "image":
