@@ -120,6 +120,15 @@ def test_an_image_whose_placeholders_do_not_match_its_grid_is_refused():
                              "document", image_grid_thw=grids)
 
 
+def test_media_without_what_the_models_processor_returns_are_refused_naming_the_processor():
+    """Pixels without `image_grid_thw` for Qwen2.5-VL: another model's processor (LLaVA's) made the batch, or a part
+    of the output was dropped; the error says so, and which processor to collate with."""
+    case = make_case("qwen2_5_vl", "sdpa")
+    refused_before_any_layer(case, PackingValueError, r"without `image_grid_thw`, which its processor returns with "
+                             r"them: the batch was made by another model's processor.*AutoProcessor\.from_pretrained",
+                             image_grid_thw=None)
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "mistral3", "paligemma"])
 def test_media_that_do_not_match_the_placeholders_are_refused(model_type):
     """A document whose `input_ids` lost image placeholders (truncated after the processor expanded them)."""

@@ -128,7 +128,10 @@ def documents_of_images(
     except KeyError as missing:
         raise PackingValueError(
             f"A packed batch for model_type {model_type!r} carries media {sorted(media)} without "
-            f"`{missing.args[0]}`, which its processor returns with them. Pass each document's whole processor output."
+            f"`{missing.args[0]}`, which its processor returns with them: the batch was made by another model's "
+            "processor, or a part of its output was dropped. Collate with the processor of this model's checkpoint "
+            "(`AutoProcessor.from_pretrained` of the model you train), and pass each document's whole processor "
+            "output."
         ) from None
     return unit_owners(counts, placeholders, documents, "Image")
 
