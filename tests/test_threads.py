@@ -90,6 +90,14 @@ def _logits(model, batch):
                      position_ids=batch["position_ids"], use_cache=False).logits
 
 
+def _run_together(threads: list[threading.Thread]) -> None:
+    """Start every thread, then wait for all of them."""
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def _hammer(models, batches, logits=_logits) -> list[float]:
     """Per batch, the largest difference between its outputs on the threads (thread `i` runs `models[i]`) and its
     output run alone (`logits(model, batch)` runs a batch)."""
@@ -116,10 +124,7 @@ def _hammer(models, batches, logits=_logits) -> list[float]:
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _run_together(threads)
     finally:
         sys.setswitchinterval(switch_interval)
     if errors:
@@ -278,11 +283,7 @@ def test_threads_configuring_at_once_leave_nothing_behind_after_unconfigure():
         start.wait(10)
         configure_packing(model)
 
-    threads = [threading.Thread(target=configure, args=(model,)) for model in models]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _run_together([threading.Thread(target=configure, args=(model,)) for model in models])
     unconfigure_packing()
     assert not is_packing_configured() and not _hook_left_in_transformers()
 
@@ -358,12 +359,8 @@ def test_threads_verifying_one_model_leave_it_in_training_mode():
         start.wait(10)
         checked.append(verify_packing(model))
 
-    threads = [threading.Thread(target=check) for _ in range(3)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _run_together([threading.Thread(target=check) for _ in range(3)])
     finally:
         unconfigure_packing()
     assert len(checked) == 3 and model.training

@@ -109,69 +109,77 @@ def test_one_host_copy_of_the_mask_per_forward(monkeypatch, model_type):
         assert len(copies) == 3
 
 
+# One 12-token row read with two layouts: a forward's mask, and what the same memory is refilled with before the next.
+FIRST_LAYOUT, REFILLED_LAYOUT = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
+ROW_IDS = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+
+
+def assert_a_refilled_buffer_is_read_again(model, between=None):
+    """On configured `model`: a forward on a numpy buffer holding `FIRST_LAYOUT` (then `between(buffer)`), the buffer
+    refilled in place with `REFILLED_LAYOUT` (no version bump): the next forward gives that layout's logits."""
+    with torch.no_grad():
+        expected = model(input_ids=ROW_IDS, attention_mask=REFILLED_LAYOUT.clone()).logits
+        buffer = FIRST_LAYOUT.numpy().copy()
+        model(input_ids=ROW_IDS, attention_mask=torch.from_numpy(buffer))
+        if between is not None:
+            between(buffer)
+        buffer[:] = REFILLED_LAYOUT.numpy()
+        assert torch.equal(model(input_ids=ROW_IDS, attention_mask=torch.from_numpy(buffer)).logits, expected)
+
+
 @pytest.mark.parametrize("rewrite", ["numpy_buffer", "numpy_view", "data"])
 def test_a_mask_rewritten_without_a_version_bump_is_read_again(rewrite):
     """Writes that leave a tensor's version as it was between two forwards (a collate function refilling one numpy
     buffer behind `torch.from_numpy`, writes through `.numpy()` or `.data`): the second forward reads its own
     documents, not the first one's (it did: 0.25 off alone on this Llama)."""
     model = tiny_model("llama", "sdpa")
-    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    with packing_configured(model), torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=second.clone()).logits
-        buffer = first.numpy().copy()
-        mask = torch.from_numpy(buffer) if rewrite == "numpy_buffer" else first.clone()
-        model(input_ids=ids, attention_mask=mask)
+    with packing_configured(model):
         if rewrite == "numpy_buffer":
-            buffer[:] = second.numpy()
-            mask = torch.from_numpy(buffer)
-        elif rewrite == "numpy_view":
-            mask.numpy()[:] = second.numpy()
-        else:
-            mask.data.copy_(second)
-        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
+            assert_a_refilled_buffer_is_read_again(model)
+            return
+        with torch.no_grad():
+            expected = model(input_ids=ROW_IDS, attention_mask=REFILLED_LAYOUT.clone()).logits
+            mask = FIRST_LAYOUT.clone()
+            model(input_ids=ROW_IDS, attention_mask=mask)
+            if rewrite == "numpy_view":
+                mask.numpy()[:] = REFILLED_LAYOUT.numpy()
+            else:
+                mask.data.copy_(REFILLED_LAYOUT)
+            assert torch.equal(model(input_ids=ROW_IDS, attention_mask=mask).logits, expected)
 
 
 def test_a_forward_after_an_interrupted_one_reads_its_own_documents():
     """A `KeyboardInterrupt` inside a forward skips the hook that ends it (torch runs those on `Exception`s only): the
     next forward still starts from no documents, and reads a mask rewritten in place (a numpy buffer) again."""
     model = tiny_model("llama", "sdpa")
-    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
 
-    def interrupt(*args):
-        raise KeyboardInterrupt
+    def interrupted_forward(buffer):
+        def interrupt(*args):
+            raise KeyboardInterrupt
 
-    with packing_configured(model), torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=second.clone()).logits
-        buffer = first.numpy().copy()
-        model(input_ids=ids, attention_mask=torch.from_numpy(buffer))
         handle = model.model.layers[1].register_forward_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            model(input_ids=ids, attention_mask=torch.from_numpy(buffer))
-        handle.remove()
-        buffer[:] = second.numpy()
-        assert torch.equal(model(input_ids=ids, attention_mask=torch.from_numpy(buffer)).logits, expected)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=ROW_IDS, attention_mask=torch.from_numpy(buffer))
+        finally:
+            handle.remove()
+
+    with packing_configured(model):
+        assert_a_refilled_buffer_is_read_again(model, between=interrupted_forward)
     assert not documents.forwards_running_elsewhere()
 
 
 def test_forwards_after_unconfiguring_inside_one_read_their_own_documents():
     """`unconfigure_packing()` inside a forward removes the hook that ends it: the next model configured still starts
     each forward from no documents (a mask rewritten in place is read again), and another thread may unconfigure."""
-    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     model = configure_packing(tiny_model("llama", "sdpa"))
     handle = model.model.norm.register_forward_hook(lambda *args: unconfigure_packing())  # after the layers
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=first)
+        model(input_ids=ROW_IDS, attention_mask=FIRST_LAYOUT)
     handle.remove()
     other = tiny_model("qwen2", "sdpa")
-    with packing_configured(other), torch.no_grad():
-        expected = other(input_ids=ids, attention_mask=second.clone()).logits
-        buffer = first.numpy().copy()
-        other(input_ids=ids, attention_mask=torch.from_numpy(buffer))
-        buffer[:] = second.numpy()
-        assert torch.equal(other(input_ids=ids, attention_mask=torch.from_numpy(buffer)).logits, expected)
+    with packing_configured(other):
+        assert_a_refilled_buffer_is_read_again(other)
         assert not documents.forwards_running_elsewhere()
 
 
@@ -180,19 +188,17 @@ def test_inference_tensors_rewritten_in_place_for_a_model_configured_from_its_co
     place between forwards must not pass for the previous forward's mask (it ran on that layout: 0.52 off)."""
     from llm_packing.hook.masks import document_position_ids
 
-    first, second = torch.tensor([[1] * 6 + [2] * 6]), torch.tensor([[1] * 2 + [2] * 10])
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     model = tiny_model("llama", "sdpa")
     configure_packing(model.config)
     try:
         with torch.inference_mode():
-            expected = model(input_ids=ids, attention_mask=second.clone(),
-                             position_ids=document_position_ids(second)).logits
-            mask, positions = first.clone(), document_position_ids(first)
-            model(input_ids=ids, attention_mask=mask, position_ids=positions)
-            mask.copy_(second)
-            positions.copy_(document_position_ids(second))
-            assert torch.equal(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, expected)
+            expected = model(input_ids=ROW_IDS, attention_mask=REFILLED_LAYOUT.clone(),
+                             position_ids=document_position_ids(REFILLED_LAYOUT)).logits
+            mask, positions = FIRST_LAYOUT.clone(), document_position_ids(FIRST_LAYOUT)
+            model(input_ids=ROW_IDS, attention_mask=mask, position_ids=positions)
+            mask.copy_(REFILLED_LAYOUT)
+            positions.copy_(document_position_ids(REFILLED_LAYOUT))
+            assert torch.equal(model(input_ids=ROW_IDS, attention_mask=mask, position_ids=positions).logits, expected)
     finally:
         unconfigure_packing()
 
