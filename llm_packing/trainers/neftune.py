@@ -76,5 +76,6 @@ def _forward_positions(output: torch.Tensor) -> torch.Tensor | None:
     of `output`'s shape, else those the trainer's thread recorded for its batch (padding-free batches)."""
     documents = current_documents()
     if documents is not None and documents.is_packed and documents.ids.shape == tuple(output.shape[:2]):
-        return document_position_ids(documents.mask)
+        # The forward's mask builders derive the same positions under this key: computed once, whoever comes first.
+        return documents.derived("position_ids", lambda: document_position_ids(documents.mask))
     return _batch.position_ids
