@@ -406,14 +406,22 @@ def test_neftune_noise_follows_each_documents_length_on_replica_threads(tmp_path
         recorder.remove()
         neftune.deactivate(model, handle, trainer.accelerator)
         model.eval()
-    hidden = clean.shape[-1]
+    # The draws of the two threads interleave in any order, so a document of 2 tokens (32 draws) may stay under 0.9 of
+    # its bound by chance (3%): each document is held to its own bound, a row's documents together reach 0.9 of theirs,
+    # and every document under a quarter of the row exceeds the row-length bound it fell back to (never by chance).
+    hidden, row_length = clean.shape[-1], clean.shape[1]
+    row_bound = 5.0 / (row_length * hidden) ** 0.5
     for row in range(2):
-        start, row_noise = 0, (noise[f"replica{row}"] - clean[row : row + 1])[0]
+        start, row_noise, reached = 0, (noise[f"replica{row}"] - clean[row : row + 1])[0], []
         for length in packed_rows()[row]["seq_lengths"]:
             bound = 5.0 / (length * hidden) ** 0.5
             largest = row_noise[start : start + length].abs().max().item()
-            assert 0.9 * bound <= largest <= bound * (1 + 1e-6), (row, length, largest, bound)
+            assert largest <= bound * (1 + 1e-6), (row, length, largest, bound)
+            if 4 * length <= row_length:
+                assert largest > row_bound, (row, length, largest, row_bound)
+            reached.append(largest / bound)
             start += length
+        assert max(reached) >= 0.9, (row, reached)
 
 
 def trl_packed_rows() -> Dataset:
