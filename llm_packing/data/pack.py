@@ -253,9 +253,8 @@ def _pack_split(dataset, max_length, overflow, options, storage, documents=None,
     else:
         if (image_text or {}).get("processor") is not None and "input_ids" not in dataset.column_names:
             raise PackingValueError(
-                f"`processor` was given, but `dataset` has no image or video column (columns: "
-                f"{dataset.column_names}): "
-                "image-text packing takes TRL's vision format, conversations in `messages` with their `images` (or "
+                f"`processor` was given, but `dataset` has no image or video column (columns: {dataset.column_names})"
+                ": image-text packing takes TRL's vision format, conversations in `messages` with their `images` (or "
                 "`image`, `videos`). Add an `images` column (an empty list for a conversation without one), or "
                 "tokenize text-only data (`input_ids`) and leave `processor` out."
             )
