@@ -49,6 +49,7 @@ from llm_packing import (
 from llm_packing._compat import MASK_BUILDER_NAMES
 from llm_packing.batches import collator as collator_module
 from llm_packing.data import pack as dataset_module
+from llm_packing.data._io import split_documents
 from llm_packing.hook import builders, guards
 from llm_packing.hook.mixers import MIXERS
 
@@ -621,14 +622,14 @@ class TestDeprecationsFailTheRun:
     @pytest.mark.parametrize("category", [DeprecationWarning, FutureWarning])
     def test_a_dependency_deprecation_hit_by_our_code_is_an_error(self, monkeypatch, category):
         # What a transformers/torch deprecation looks like: `warnings.warn(..., stacklevel=2)` names the caller, here
-        # `llm_packing.data.pack`, and the filter's module regex matches that caller's `__name__`.
-        real = dataset_module.plan_rows
+        # `llm_packing.data._io.split_documents`, and the filter's module regex matches that caller's `__name__`.
+        real = split_documents.plan_rows
 
         def deprecated(*args, **kwargs):
             warnings.warn("`plan_rows` is deprecated", category, stacklevel=2)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(dataset_module, "plan_rows", deprecated)
+        monkeypatch.setattr(split_documents, "plan_rows", deprecated)
         with pytest.raises(category, match="is deprecated"):
             pack_dataset(Dataset.from_dict(SMALL), 4)
 

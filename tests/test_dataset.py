@@ -6,8 +6,7 @@ import pytest
 from datasets import Dataset, DatasetDict
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llm_packing.data import pack as dataset_module
-from llm_packing.data._io import token_columns
+from llm_packing.data._io import split_documents, token_columns
 from llm_packing.data.pack import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingTypeError, PackingValueError, SequenceTooLongError
 
@@ -98,7 +97,7 @@ class TestPackDataset:
         assert any(r.name.startswith("llm_packing") and "6 tokens -> 2 bins" in r.getMessage() for r in caplog.records)
 
     def test_row_offsets_past_int32_use_large_lists(self, monkeypatch):
-        monkeypatch.setattr(dataset_module, "_MAX_LIST_OFFSET", 4)
+        monkeypatch.setattr(split_documents, "_MAX_LIST_OFFSET", 4)
         packed = pack_dataset(Dataset.from_dict(SMALL), 4)
         assert packed.features["input_ids"] == datasets.LargeList(datasets.Value("int32"))
         assert packed.features["seq_lengths"] == datasets.List(datasets.Value("int32"))

@@ -20,7 +20,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from llm_packing.batches.collator import DataCollatorWithPacking
 from llm_packing.core.stats import PackingStats
 from llm_packing.data import pack as dataset_module
-from llm_packing.data._io import packed_cache, token_columns
+from llm_packing.data._io import packed_cache, split_documents, token_columns
 from llm_packing.data.pack import PackedDatasetEpochs, pack_dataset
 from llm_packing.errors import PackingError, PackingValueError
 
@@ -52,7 +52,7 @@ class TestMemoryMappedInput:
     @pytest.mark.parametrize("chunk", [5, 1 << 20])
     def test_same_rows_as_in_memory(self, tmp_path, monkeypatch, chunk):
         # `chunk` 5: every row its own written chunk (rows are longer), so chunk bounds are exercised.
-        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
+        monkeypatch.setattr(split_documents, "GATHER_CHUNK_TOKENS", chunk)
         columns = random_columns()
         ds = mapped(tmp_path, columns)
         assert ds.data.table.column("input_ids").num_chunks == 9 and ds.cache_files
@@ -84,7 +84,7 @@ class TestMemoryMappedInput:
         # combine_chunks of the tokens would hold 4 bytes per token from Arrow's pool; the lengths take 8 per row.
         ds = mapped(tmp_path, {"input_ids": [list(range(500))] * 400}, rows_per_batch=10)
         before = pa.total_allocated_bytes()
-        documents = dataset_module._Documents(ds, 500, "error")
+        documents = dataset_module.SplitDocuments(ds, 500, "error")
         assert pa.total_allocated_bytes() - before < 500 * 400 * 4 // 10
         assert documents.input_ids.take(np.array([documents.input_ids.row_start[399] + 7])).tolist() == [7]
 
@@ -97,11 +97,11 @@ class TestMemoryMappedInput:
         # The values are checked on a thread while the rows are gathered: the gather asks between groups (one per
         # chunk here) and stops once a check failed; nothing is written, and the error is the one a check in turn
         # raised.
-        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", 4)
-        monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", 4)
+        monkeypatch.setattr(split_documents, "GATHER_CHUNK_TOKENS", 4)
+        monkeypatch.setattr(split_documents, "_GROUP_TOKENS", 4)
         asked = []
-        real = dataset_module.write_rows
-        monkeypatch.setattr(dataset_module, "write_rows", lambda *args, between_groups, **kwargs: real(
+        real = split_documents.write_rows
+        monkeypatch.setattr(split_documents, "write_rows", lambda *args, between_groups, **kwargs: real(
             *args, between_groups=lambda: (asked.append(1), between_groups())[-1], **kwargs))
         ds = mapped(tmp_path, {"input_ids": [[1, 2]] * 39 + [[2**31, 2]]}, rows_per_batch=3, name="bad.arrow")
         with pytest.raises(PackingValueError, match=r"Column 'input_ids' in row 39 holds 2147483648"):
@@ -204,7 +204,7 @@ class TestCache:
         def refuse(*args, **kwargs):
             raise AssertionError("packed again instead of loading the cache")
 
-        monkeypatch.setattr(dataset_module, "_Documents", refuse)
+        monkeypatch.setattr(dataset_module, "SplitDocuments", refuse)
         again, again_stats = pack_dataset(ds, 20, overflow="split", return_stats=True)
         assert again.to_dict() == packed.to_dict() and again_stats == stats
         assert again._fingerprint == packed._fingerprint
@@ -224,7 +224,7 @@ class TestCache:
         path = str(tmp_path / "packed.arrow")
         packed = pack_dataset(Dataset.from_dict(random_columns()), 40, cache_file_name=path)
         assert packed.cache_files[0]["filename"] == path
-        monkeypatch.setattr(dataset_module, "_Documents", None)  # loading must not read the documents
+        monkeypatch.setattr(dataset_module, "SplitDocuments", None)  # loading must not read the documents
         assert pack_dataset(Dataset.from_dict(random_columns()), 40, cache_file_name=path).to_dict() == \
             packed.to_dict()
         with pytest.raises(PackingValueError, match=r"`cache_file_name`='x.arrow' names one file.*per split"):
@@ -250,8 +250,8 @@ class TestCache:
         pack_dataset(ds, 40, cache_file_name=named)
         monkeypatch.setattr(packed_cache, "LAYOUT_VERSION", 2)
         calls = []
-        real = dataset_module._Documents
-        monkeypatch.setattr(dataset_module, "_Documents", lambda *args: calls.append(args) or real(*args))
+        real = dataset_module.SplitDocuments
+        monkeypatch.setattr(dataset_module, "SplitDocuments", lambda *args: calls.append(args) or real(*args))
         new = pack_dataset(ds, 40)
         assert new.cache_files[0]["filename"] != old.cache_files[0]["filename"] and "-v2-" in \
             new.cache_files[0]["filename"]
@@ -353,7 +353,7 @@ class TestCache:
         the same rows (nothing is packed again), and another epoch pairs the same documents anew."""
         epochs = PackedDatasetEpochs(mapped(tmp_path, random_columns()), 40)
         first, second = epochs.repack(0), epochs.repack(1)
-        monkeypatch.setattr(dataset_module, "plan_rows", _never_called)
+        monkeypatch.setattr(split_documents, "plan_rows", _never_called)
         again = epochs.repack(0)
         files = [dataset.cache_files[0]["filename"] for dataset in (first, second, again)]
         assert files[0] == files[2] != files[1]
@@ -412,14 +412,14 @@ class TestNumProc:
     """`num_proc`: the rows of a split written to a cache file, gathered by forked processes into shard files."""
 
     def test_same_rows_and_cache_whatever_num_proc(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", 64)  # many chunks, so that every process writes several
+        monkeypatch.setattr(split_documents, "GATHER_CHUNK_TOKENS", 64)  # many chunks: every process writes several
         ds = mapped(tmp_path, random_columns(num_rows=300))
         expected = pack_dataset(ds, 40, overflow="split", keep_in_memory=True, return_position_ids=True)
         sharded = pack_dataset(ds, 40, overflow="split", num_proc=3, return_position_ids=True)
         assert [file["filename"].rsplit("_", 3)[-3:] for file in sharded.cache_files] == [
             ["00000", "of", "00003.arrow"], ["00001", "of", "00003.arrow"], ["00002", "of", "00003.arrow"]]
         assert sharded.to_dict() == expected.to_dict()
-        monkeypatch.setattr(dataset_module, "_Documents", None)  # loading must not read the documents
+        monkeypatch.setattr(dataset_module, "SplitDocuments", None)  # loading must not read the documents
         assert pack_dataset(ds, 40, overflow="split", return_position_ids=True).to_dict() == expected.to_dict()
 
     def test_a_single_file_written_later_is_loaded_before_older_shards(self, tmp_path):

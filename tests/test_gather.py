@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset
 
 from llm_packing.data import pack as dataset_module
-from llm_packing.data._io import gather, resident_pages, token_columns
+from llm_packing.data._io import gather, resident_pages, split_documents, token_columns
 from llm_packing.data._io.resident_pages import ResidentPages
 from llm_packing.data.pack import pack_dataset
 from llm_packing.errors import PackingValueError
@@ -47,8 +47,8 @@ def test_groups_give_the_rows_of_one_pass(tmp_path, monkeypatch, group, chunk, c
     expected = [pack_dataset(Dataset.from_dict(columns), 64, overflow=overflow, seed=2, return_position_ids=True)
                 for overflow in ("split", "truncate")]
     monkeypatch.setattr(gather, "_RUN_COPY_MIN_TOKENS", copy_runs_from)
-    monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", group)
-    monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
+    monkeypatch.setattr(split_documents, "_GROUP_TOKENS", group)
+    monkeypatch.setattr(split_documents, "GATHER_CHUNK_TOKENS", chunk)
     monkeypatch.setattr(resident_pages, "RESIDENT_LIMIT", 0)  # the mapped input is read in input order
     for overflow, want in zip(("split", "truncate"), expected, strict=True):
         for ds in (Dataset.from_dict(columns), mapped(tmp_path, columns, rows_per_batch=7)):
@@ -81,8 +81,8 @@ def test_packing_keeps_the_mapped_input_bounded(tmp_path, monkeypatch, limit, ch
     # `chunk` 1 << 20: one slice of tokens per group, its documents spread over the whole file (the span bound).
     ds = mapped(tmp_path, large_corpus())
     monkeypatch.setattr(resident_pages, "RESIDENT_LIMIT", limit)
-    monkeypatch.setattr(dataset_module, "_GROUP_TOKENS", 1 << 20)
-    monkeypatch.setattr(dataset_module, "_GATHER_CHUNK", chunk)
+    monkeypatch.setattr(split_documents, "_GROUP_TOKENS", 1 << 20)
+    monkeypatch.setattr(split_documents, "GATHER_CHUNK_TOKENS", chunk)
     monkeypatch.setattr(token_columns, "_CHECK_WINDOW", 1 << 18)
     seen = []
     real = resident_pages._rss_file
@@ -116,7 +116,7 @@ class TestIndicesMapping:
     def test_the_picked_rows_are_not_gathered(self, tmp_path):
         ds = mapped(tmp_path, large_corpus()).shuffle(seed=0)
         before = pa.total_allocated_bytes()
-        documents = dataset_module._Documents(ds, 256, "error")
+        documents = dataset_module.SplitDocuments(ds, 256, "error")
         assert pa.total_allocated_bytes() - before < (16 << 20) // 10  # a gather would copy 16 MB of tokens
         row = ds[5]["input_ids"]
         assert documents.input_ids.take(documents.input_ids.row_start[5] + np.arange(len(row))).tolist() == row

@@ -30,8 +30,8 @@ from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.gather_processes import row_ranges
 from ._io.packed_cache import LAYOUT_VERSION, Destination, existing_shards, load_cached, load_files, shard_paths
 from ._io.shards import TOKEN_COLUMNS, ShardSpec, block_lengths, write_shard
+from ._io.split_documents import GATHER_CHUNK_TOKENS, group_tokens, packed_schema
 from .metadata import record_packing
-from .pack import _GATHER_CHUNK, group_tokens, packed_schema
 
 
 __all__ = ["load_packed", "pack_dataset_on_ray", "read_packed_on_ray"]
@@ -139,7 +139,7 @@ def pack_dataset_on_ray(
             path=path, output_format=output_format, schema=schema, stats=stats.to_dict(), columns=columns,
             row=source - block_starts[block] + concat_start[np.searchsorted(needed, block)],
             start=np.asarray(pieces.start[ids], np.int64), length=pieces.length[ids],
-            bin_offsets=offsets - offsets[0], chunk_tokens=_GATHER_CHUNK,
+            bin_offsets=offsets - offsets[0], chunk_tokens=GATHER_CHUNK_TOKENS,
             group_tokens=group_tokens(int(plan.tokens_per_bin[first:last].sum())), temporary_prefix=prefix,
             fault=_fault[1] if _fault is not None and _fault[0] == index else None,
         )
