@@ -314,8 +314,9 @@ class TestEmpty:
         assert warnings_logged == [
             "pack_dataset made no rows from 2 examples (2 empty, 0 over-long dropped with overflow='error'): there is "
             "nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
-            "pack_dataset (streaming) made no rows (2 examples empty, 0 over-long dropped with overflow='error'): "
-            "there is nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
+            "pack_dataset (streaming) made no rows from 2 examples (2 empty, 0 over-long dropped with "
+            "overflow='error'): there is nothing to train on. Check the tokenization (empty `input_ids`) and "
+            "`overflow`.",
         ]
 
     def test_empty_split_and_empty_stream(self):

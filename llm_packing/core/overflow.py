@@ -113,6 +113,22 @@ def cut_pieces(lengths: np.ndarray, max_length: int, overflow: OverflowPolicy, *
     return Pieces(source, np.broadcast_to(np.zeros(1, np.int64), source.shape), length, **counts)
 
 
+def no_rows_message(source: str, empty: int, dropped: int, overflow: OverflowPolicy) -> str:
+    """The warning for examples that made no packed row: every one empty or dropped as over-long.
+
+    Example:
+    ```python
+    >>> no_rows_message("pack_dataset made no rows from 2 examples", 2, 0, "error").split(": ")[0]
+    "pack_dataset made no rows from 2 examples (2 empty, 0 over-long dropped with overflow='error')"
+
+    ```
+    """
+    return (
+        f"{source} ({empty} empty, {dropped} over-long dropped with overflow={overflow!r}): there is nothing to train "
+        "on. Check the tokenization (empty `input_ids`) and `overflow`."
+    )
+
+
 def _kept(keep: np.ndarray | None, count: int) -> np.ndarray:
     """The indices where `keep` is true (all of `0..count-1` without it), as 4-byte ids, a chunk at a time."""
     if keep is None:

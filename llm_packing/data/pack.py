@@ -14,7 +14,7 @@ import datasets
 
 from ..core.binpack import check_options, seed_from_components
 from ..core.checks import check_bool, check_integer
-from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy
+from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, no_rows_message
 from ..core.rows import already_packed_error
 from ..errors import PackingError, PackingTypeError, PackingValueError
 from ._io.packed_cache import destination, load_cached
@@ -250,10 +250,9 @@ def _pack_split(dataset, max_length, overflow, options, storage, documents=None,
     split = dataset.split
     logger.info("pack_dataset%s:\n%s", f" ({split})" if split else "", stats)
     if len(dataset) and not len(packed):
-        logger.warning(
-            "pack_dataset%s made no rows from %d examples (%d empty, %d over-long dropped with overflow=%r): there is "
-            "nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
-            f" ({split})" if split else "", len(dataset), stats.empty_sequences, stats.dropped_sequences, overflow)
+        where = f" ({split})" if split else ""
+        logger.warning(no_rows_message(f"pack_dataset{where} made no rows from {len(dataset)} examples",
+                                       stats.empty_sequences, stats.dropped_sequences, overflow))
     return record_packing(packed.with_format(dataset.format["type"]), max_length), stats
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..core.binpack import pack_sequences
 from ..core.buffered import buffered_bins
 from ..core.checks import check_integer
-from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces
+from ..core.overflow import OverflowPolicy, check_max_length, check_overflow_policy, cut_pieces, no_rows_message
 from ..core.rows import (
     MASK_COLUMNS,
     already_packed_error,
@@ -112,10 +112,9 @@ def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:
                                                capacity=max_length)
     logger.info("pack_dataset (streaming, buffer_size=%d):\n%s", buffer_size, dataclasses.replace(stats, **counts))
     if counts and not bin_tokens:
-        logger.warning(
-            "pack_dataset (streaming) made no rows (%d examples empty, %d over-long dropped with overflow=%r): there "
-            "is nothing to train on. Check the tokenization (empty `input_ids`) and `overflow`.",
-            counts["empty_sequences"], counts["dropped_sequences"], options["overflow"])
+        examples = counts["empty_sequences"] + counts["dropped_sequences"]
+        logger.warning(no_rows_message(f"pack_dataset (streaming) made no rows from {examples} examples",
+                                       counts["empty_sequences"], counts["dropped_sequences"], options["overflow"]))
 
 
 def _pieces(dataset, options, counts: dict[str, int]) -> Iterator[list[tuple[int, tuple[np.ndarray, np.ndarray]]]]:
