@@ -41,7 +41,7 @@ from tiny_models import PACKED_DOCUMENT_LENGTHS, PACKED_ROW_LENGTH, WINDOW, pack
 from torch._dynamo.utils import counters
 from transformers import masking_utils
 
-from llm_packing.errors import UnsupportedSetupError
+from llm_packing.errors import ContaminationError, UnsupportedSetupError
 from llm_packing.hook.attention import indexers, varlen
 from llm_packing.hook.attention.indexers import INDEXERS
 from llm_packing.hook.configure import configure_packing, packing_configured, unconfigure_packing
@@ -395,6 +395,43 @@ def test_indexed_mask_without_hook_is_contaminated(model_type, backend):
     batch = packed_batch()
     logit_difference, _ = _max_differences(model, batch, attention_mask=batch["attention_mask"])
     assert logit_difference > 1e-3
+
+
+# Types whose models build their attention masks without `position_ids`, on a backend with a mask: transformers'
+# padding-free path, which isolates documents from the positions the builders get, mixed their documents (measured
+# max logit differences on the fixed layout, unconfigured: afmoe 0.87, gpt_oss 0.51, mpt 0.59, opt 0.42, biogpt 0.16,
+# bloom 1.8e-2).
+POSITIONLESS_BUILDERS = [("afmoe", "sdpa"), ("gpt_oss", "eager"), ("mpt", "eager"), ("opt", "sdpa"),
+                         ("biogpt", "eager"), ("bloom", "eager")]
+
+
+@pytest.mark.parametrize(("model_type", "backend"), POSITIONLESS_BUILDERS)
+def test_padding_free_batches_are_refused_where_the_mask_builders_get_no_positions(model_type, backend):
+    """A padding-free batch (`position_ids` restarting within the row, no mask or a 0/1 one: TRL's `padding_free`,
+    `DataCollatorWithFlattening`) on a model whose mask builders are handed no `position_ids`: the documents attend to
+    each other unconfigured, and the configured model refuses the batch, training or not, while the indexed mask of
+    the same documents stays exact."""
+    model = tiny_model(model_type, backend)
+    batch = packed_batch()
+    assert _max_differences(model, batch)[0] > 1e-2
+    with packing_configured(model):
+        for training, mask in ((True, None), (False, None), (False, batch["attention_mask"].clamp(max=1))):
+            model.train(training)
+            with pytest.raises(ContaminationError, match=f"model_type {model_type!r} builds its attention mask"):
+                model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                      use_cache=False)
+        model.eval()
+        assert max(_max_differences(model, batch, attention_mask=batch["attention_mask"])) <= TOLERANCE
+        model(input_ids=batch["input_ids"], attention_mask=torch.ones_like(batch["input_ids"]), use_cache=False)
+
+
+def test_padding_free_batches_stay_exact_where_the_mask_builders_get_the_positions():
+    """The refusal above is for models that hand their builders no `position_ids`: Llama's builders get them, and
+    transformers' padding-free path isolates its documents (as TRL's `padding_free` relies on)."""
+    model = tiny_model("llama", "sdpa")
+    batch = packed_batch()
+    with packing_configured(model):
+        assert max(_max_differences(model, batch)) <= TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from . import registry
 from .attention import chunked, mask_functions, varlen
 from .attention.route import mask_for_builder
 from .cache import use_cache_fix
-from .documents import documents_of, get_unpad_data, positions_were_given
+from .documents import documents_of, get_unpad_data, positions_were_given, take_unchecked_positions
 from .masks import document_position_ids, is_integer_mask
 from .support.table import ROW_LENGTH_LIMITS
 
@@ -76,8 +76,10 @@ def _wrap_builder(original):
                 # with positions of the whole row that the forward was given: no host copy otherwise (a decoding
                 # step's, or the `0..length` a model numbers its tokens with).
                 check_documents(attention_mask, positions)
+            _refuse_positions_the_builder_misses(arguments)
             return original(*args, **kwargs)
         if not check_documents(attention_mask, arguments.get("position_ids")):
+            _refuse_positions_the_builder_misses(arguments)
             return original(*args, **kwargs)
         config = arguments["config"]
         _refuse_unconfigured_model_type(config)
@@ -165,6 +167,38 @@ def _refuse_piece_without_sequence_parallelism(attention_mask: torch.Tensor, inp
             "sequence parallelism configured: each piece would attend on its own. Call "
             "`llm_packing.parallel.configure_sequence_parallel(model, sequence_parallel_size)` on every rank, or "
             "pass the whole rows' `input_ids`."
+        )
+
+
+def _refuse_positions_the_builder_misses(arguments: dict) -> None:
+    """transformers isolates a padding-free batch (no indexed mask, `position_ids` restarting within a row) only from
+    the `position_ids` its mask builder gets. Some models build their masks without them (afmoe, gpt_oss, opt, biogpt,
+    bloom, mpt): their documents attended to each other on eager, sdpa and flex_attention (0.02-0.87 off alone on tiny
+    models). Refused before any layer runs, with one host copy in the first such builder call of a forward given
+    `position_ids`; FlashAttention reads the positions in each layer instead, so its route is left alone."""
+    config = arguments["config"]
+    if arguments.get("position_ids") is not None or mask_route(config._attn_implementation, config) == "flash":
+        return
+    positions = take_unchecked_positions()
+    length = arguments["inputs_embeds"].shape[1]
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != length or length < 2:
+        return
+    mask = arguments.get("attention_mask")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] == length):
+        mask = torch.ones_like(positions)
+    host = torch.stack([mask.detach().to(positions.device).long().expand_as(positions), positions.detach().long()])
+    ids, host_positions = host.cpu().numpy()
+    restarts = (ids[:, 1:] > 0) & (ids[:, :-1] > 0) & (host_positions[:, 1:] <= host_positions[:, :-1])
+    if restarts.any():
+        row, col = map(int, np.argwhere(restarts)[0] + [0, 1])
+        raise ContaminationError(
+            f"`position_ids` restart inside row {row} (token {col}: position {int(host_positions[row, col])} after "
+            f"{int(host_positions[row, col - 1])}) of a batch without an indexed `attention_mask`, and model_type "
+            f"{config.model_type!r} builds its attention mask without `position_ids`: its packed documents would "
+            "attend to each other. A padding-free batch (TRL's `padding_free`, `DataCollatorWithFlattening`, or a 0/1 "
+            "mask with restarting positions) is isolated only on FlashAttention for this model. Collate with "
+            "`llm_packing.DataCollatorWithPacking()` and its indexed mask (recipe: `padding_free: false`), or train "
+            "with `attn_implementation='flash_attention_2'`."
         )
 
 

@@ -186,10 +186,12 @@ class _PerThread(threading.local):
     outermost: Any  # the module whose forward began at depth 0
     generation: int  # `_generation` when it began
     positions_given: bool  # whether the latest configured module entered was given `position_ids`
+    unchecked_positions: Any  # those `position_ids`, until a mask builder given none checks them (or None)
 
     def __init__(self):
         self.states, self.depth, self.outermost, self.generation = {}, 0, None, 0
         self.positions_given = True
+        self.unchecked_positions = None
 
 
 _per_thread = _PerThread()
@@ -199,7 +201,7 @@ _running: set[int] = set()  # the threads running a configured model's forward (
 _generation = 0  # counts `unconfigure_packing` calls: a forward begun before one has lost the hooks that end it
 
 
-def enter_forward(module, *, positions_given: bool = True) -> None:
+def enter_forward(module, *, positions_given: bool = True, position_ids: torch.Tensor | None = None) -> None:
     """`module`, a configured model's causal LM or base model, starts a forward on this thread (its pre-hook): the
     outermost one forgets the documents earlier forwards read, so that none can pass for this forward's. The outermost
     module entered again counts as a new forward: an interrupted one (`KeyboardInterrupt`, or an error in a compiled
@@ -211,6 +213,7 @@ def enter_forward(module, *, positions_given: bool = True) -> None:
         _running.add(threading.get_ident())
     _per_thread.depth += 1
     _per_thread.positions_given = positions_given
+    _per_thread.unchecked_positions = position_ids
 
 
 def leave_forward() -> None:
@@ -218,6 +221,7 @@ def leave_forward() -> None:
     _per_thread.depth = max(_per_thread.depth - 1, 0)
     if _per_thread.depth == 0:
         _per_thread.outermost = None
+        _per_thread.unchecked_positions = None
         _running.discard(threading.get_ident())
 
 
@@ -235,6 +239,14 @@ def positions_were_given() -> bool:
     """Whether this thread's configured forward was given `position_ids` (else the model numbered its tokens itself,
     `0..length`); True outside one, where it cannot be told."""
     return _per_thread.positions_given or not _in_forward()
+
+
+def take_unchecked_positions() -> torch.Tensor | None:
+    """The `position_ids` this thread's configured forward was given, once: for the first mask builder that is handed
+    none (afmoe, gpt_oss, opt, biogpt, bloom, mpt build their masks without them), to check that they do not restart
+    within a row; None outside a forward, or after the first call."""
+    positions, _per_thread.unchecked_positions = _per_thread.unchecked_positions, None
+    return positions if _in_forward() else None
 
 
 def _in_forward() -> bool:

@@ -44,7 +44,8 @@ def scope_documents_to_forwards(model: torch.nn.Module) -> None:
 
 
 def _enter_forward(module, args, kwargs):
-    enter_forward(module, positions_given=kwargs.get("position_ids") is not None)
+    positions = kwargs.get("position_ids")
+    enter_forward(module, positions_given=positions is not None, position_ids=positions)
 
 
 def _leave_forward(module, args, kwargs, output):

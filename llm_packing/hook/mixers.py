@@ -61,20 +61,21 @@ def mixer_classes(model_type: str) -> list[type]:
 
 
 def mask_reading_mixers(model_type: str) -> tuple[str, ...]:
-    """The names of `model_type`'s mixer classes that read the documents from the mask they are handed: not those
-    that read them from `position_ids` (Griffin's recurrent block), nor RWKV's and xLSTM's (the model's mask; they
-    take no `position_ids`).
+    """The names of `model_type`'s mixer classes that read the documents from a mask: the one they are handed, or
+    the model's (RWKV's and xLSTM's blocks); not those that read them from `position_ids` (Griffin's recurrent block).
+    A padding-free batch (no mask) leaks through them. RWKV and xLSTM take no `position_ids`, but their causal LMs
+    accept any keyword, so a padding-free batch's reached them and ran each row whole (2.2 off alone).
 
     Example:
     ```python
     >>> from llm_packing.hook.mixers import mask_reading_mixers
-    >>> mask_reading_mixers("lfm2"), mask_reading_mixers("recurrent_gemma"), mask_reading_mixers("llama")
-    (('Lfm2ShortConv',), (), ())
+    >>> mask_reading_mixers("lfm2"), mask_reading_mixers("recurrent_gemma"), mask_reading_mixers("rwkv")
+    (('Lfm2ShortConv',), (), ('RwkvBlock',))
 
     ```
     """
     calls = MIXERS.get(model_type, ("", {}))[1]
-    return tuple(name for name, call in calls.items() if call.documents == "mask")
+    return tuple(name for name, call in calls.items() if call.documents in ("mask", "model"))
 
 
 def patch_mixers(model_type: str) -> None:
