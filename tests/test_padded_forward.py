@@ -92,6 +92,7 @@ def test_negative_control_the_packed_batch_without_the_hook_mixes_rows(models):
     naive = padded(input_ids=layout.input_ids, attention_mask=layout.attention_mask, position_ids=layout.position_ids,
                    shift_labels=layout.pack(shifted, -100), fused_lm_head=True).log_probs
     assert (layout.unpack(naive)[:, :-1] - expected).abs().max() > 1e-2
+    pack_fused_lm_head(packed)  # unconfiguring took it off: packed again, with nothing configured
     with pytest.raises(ContaminationError, match="configure_packing"):
         packed(input_ids=input_ids, attention_mask=MASK, labels=labels, fused_lm_head=True)
 
@@ -127,3 +128,29 @@ def test_generation_with_a_padded_batch_is_unchanged_while_packing_is_configured
     mine = packed.generate(input_ids, **kwargs)
     unconfigure_packing()
     assert torch.equal(mine, padded.generate(input_ids, **kwargs))
+
+
+def test_unconfiguring_gives_the_models_their_own_forwards_back(models):
+    """The packed forwards `pack_fused_lm_head` and `pack_sequence_scores` put on a model are part of the
+    configuration: a model trained by PackedDPOTrainer or PackedRewardTrainer, unconfigured, ran every fused or scoring
+    call into "ran without `configure_packing`", so it could be used for nothing but packed training again."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from llm_packing.trainers.reward import pack_sequence_scores
+
+    packed, padded = models
+    fused_head = packed.forward
+    pack_fused_lm_head(packed)
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=0)).eval()
+    pack_sequence_scores(scorer)
+    unconfigure_packing()
+    assert packed.forward is fused_head and "forward" not in vars(scorer)
+    input_ids, labels = batch()
+    call = {"input_ids": input_ids, "attention_mask": MASK, "labels": labels, "fused_lm_head": True,
+            "use_cache": False}
+    torch.testing.assert_close(packed(**call).log_probs, padded(**call).log_probs, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert scorer(input_ids=input_ids, attention_mask=MASK).logits.shape == (4, 1)

@@ -27,6 +27,7 @@ from ..errors import (
     SequenceTooLongError,
     UnsupportedSetupError,
 )
+from ..hook import registry
 from ..hook.configure import is_packing_configured
 from ..hook.verify import configure_and_verify
 
@@ -153,7 +154,8 @@ def pack_fused_lm_head(model, *, max_length: int | None = None):
     `model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)` then packs the real tokens of each row
     ([`pack_padded_batch`]), runs the backbone once on the packed rows and returns TRL's `FusedCausalLMOutput` with
     every per-token field (`log_probs`, `entropy`, ...) back in the padded `(batch_size, sequence_length - 1)` layout,
-    zeros on padding. Calls without `fused_lm_head=True` (generation, `verify_packing`) are untouched. Idempotent.
+    zeros on padding. Calls without `fused_lm_head=True` (generation, `verify_packing`) are untouched. Idempotent;
+    [`~llm_packing.unconfigure_packing`] puts TRL's fused head back.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
@@ -195,7 +197,8 @@ def pack_fused_lm_head(model, *, max_length: int | None = None):
         return outputs
 
     packed_fused_forward._packs_padded_batches = True
-    model.forward = types.MethodType(packed_fused_forward, model)
+    with registry.lock:  # undone by `unconfigure_packing`: TRL's fused head is left as TRL made it
+        registry.replace_attribute(model, "forward", types.MethodType(packed_fused_forward, model), configures=False)
     return model
 
 

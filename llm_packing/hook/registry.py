@@ -81,7 +81,9 @@ def replace_attribute(owner, name: str, replacement, *, configures: bool = True)
     """Set `owner.name = replacement`, remembering what was there (idempotent for the same replacement). With
     `configures=False` the replacement alone does not make packing configured ([`is_active`]); it is undone with the
     rest."""
-    current = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+    # A class's or a model's own attribute: what it inherits (a model's `forward`) is not put back on it.
+    own = isinstance(owner, (type, torch.nn.Module))
+    current = owner.__dict__.get(name, _MISSING) if own else getattr(owner, name, _MISSING)
     if current is replacement:
         return
     _replacements.append(_Replacement(owner, name, current, replacement, configures=configures))

@@ -17,6 +17,7 @@ from trl import RewardTrainer
 from ..batches.padded_forward import PaddedToPacked, pack_padded_batch
 from ..core.checks import check_bool
 from ..errors import ContaminationError, PackingValueError, UnsupportedSetupError
+from ..hook import registry
 from ..hook.configure import is_packing_configured
 from ..hook.verify import configure_and_verify
 
@@ -61,6 +62,8 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
             A sequence classification model whose head is `model.score` (transformers' decoder classifiers).
         max_length (`int`, *optional*):
             Tokens per packed row; `None` packs each batch into one row.
+
+    [`~llm_packing.unconfigure_packing`] gives the model back its own forward.
 
     Raises (on each call): `ContaminationError` if [`~llm_packing.configure_packing`] is not in effect,
     `PackingValueError` for a row scored at a padding position or a mask the packed layout cannot reproduce,
@@ -120,7 +123,8 @@ def pack_sequence_scores(model, *, max_length: int | None = None):
         return SequenceClassifierOutputWithPast(logits=head(hidden.flatten(0, 1).index_select(0, scored)))
 
     packed_scores._packs_padded_batches = True
-    model.forward = packed_scores
+    with registry.lock:  # undone by `unconfigure_packing`, which leaves an ordinary model behind
+        registry.replace_attribute(model, "forward", packed_scores, configures=False)
     return model
 
 
