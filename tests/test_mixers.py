@@ -82,6 +82,12 @@ def test_padding_free_batches_are_refused_where_the_mixers_read_the_mask(model_t
                 model.train(training)
                 with pytest.raises(ContaminationError, match=r"padding-free batch .*`position_ids` restarting"):
                     model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+                # A 0/1 mask with those positions (TRL's `return_position_ids=True`) too; the models that call no
+                # mask builder (mamba2, rwkv, xlstm: 2.8, 2.2 and 1.9 off alone) are checked before their mixers.
+                for mask in (batch["attention_mask"].ne(0).long(), batch["attention_mask"].ne(0)):
+                    with pytest.raises(ContaminationError, match=r"`position_ids` restart inside a row whose"):
+                        model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                              use_cache=False)
             model.eval()
             # A 0/1 mask with positions 0, 1, 2, ... (generation, unpacked rows) is not a padding-free batch.
             model(input_ids=batch["input_ids"], attention_mask=torch.ones_like(batch["input_ids"]), use_cache=False)

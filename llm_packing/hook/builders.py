@@ -66,7 +66,7 @@ def _wrap_builder(original):
         if not getattr(attention_mask, _PREPARED, False):
             _refuse_prepared_mask_in_training(attention_mask)
         if not is_integer_mask(attention_mask):
-            _refuse_float_document_ids(attention_mask)
+            refuse_float_document_ids(attention_mask)
             positions = arguments.get("position_ids")
             if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.numel()
                     and isinstance(positions, torch.Tensor) and positions.shape[-1] == attention_mask.shape[-1]
@@ -222,7 +222,7 @@ def _mark_prepared(mask):
     return mask
 
 
-def _refuse_float_document_ids(attention_mask) -> None:
+def refuse_float_document_ids(attention_mask) -> None:
     """transformers casts a 2-D mask to bool, so a float mask holding document ids would merge the documents."""
     if (
         isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.is_floating_point()
@@ -272,8 +272,8 @@ def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> Non
             f"`position_ids` restart inside a row whose `attention_mask` is 0/1 (row {row}, token {col}: position "
             f"{int(positions[row, col])} after {int(positions[row, col - 1])}), so packed documents would attend to "
             "each other. TRL's collator sends this with `return_position_ids=True`. Train with "
-            "`llm_packing.PackedSFTTrainer`, or collate with `DataCollatorWithPacking` (indexed mask) or TRL's "
-            "`padding_free=True` (no mask)."
+            "`llm_packing.PackedSFTTrainer`, or collate with `DataCollatorWithPacking` (indexed mask), or with TRL's "
+            "`padding_free=True` (no mask) for a model without conv or recurrent mixers."
         )
 
 

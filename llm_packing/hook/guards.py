@@ -30,6 +30,7 @@ from . import registry
 from .documents import documents_of, enter_forward, leave_forward
 from .masks import is_integer_mask
 from .shapes import attention_head_dims
+from .support.architectures import calls_no_mask_builder
 
 
 def scope_documents_to_forwards(model: torch.nn.Module) -> None:
@@ -140,10 +141,16 @@ def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tup
     (`mixer_names`, none for most models) read the documents from the indexed mask (idempotent). Such a batch has no
     `attention_mask`, and `position_ids` that restart within its row, or `cu_seq_lens_q`: transformers isolates its
     attention from those, but nothing hands them to the mixers, whose state would run from one document into the next
-    (tiny qwen3_next: 3.8e-2 off alone, lfm2: 6.2e-4)."""
+    (tiny qwen3_next: 3.8e-2 off alone, lfm2: 6.2e-4).
+
+    A model that calls no mask builder (mamba2, rwkv, xlstm) also gets its mask and `position_ids` checked here,
+    where a builder would check them for the others: a 0/1 mask with positions restarting inside it is packed
+    documents the mixers read as one (2.8, 2.2 and 1.9 off alone)."""
     if mixer_names:
-        registry.add_forward_pre_hook(input_module(model), "flattened batches",
-                                      functools.partial(_refuse_flattened_batch, mixer_names=mixer_names))
+        module = input_module(model)
+        builderless = calls_no_mask_builder(type(module).__module__)
+        registry.add_forward_pre_hook(module, "flattened batches", functools.partial(
+            _refuse_flattened_batch, mixer_names=mixer_names, checks_positions=builderless))
 
 
 def flattened_layout(kwargs: dict) -> str | None:
@@ -157,7 +164,7 @@ def flattened_layout(kwargs: dict) -> str | None:
     return "`cu_seq_lens_q`" if kwargs.get("cu_seq_lens_q") is not None else None
 
 
-def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...]):
+def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...], checks_positions: bool):
     layout = flattened_layout(kwargs)
     if layout is not None:
         raise ContaminationError(
@@ -168,6 +175,12 @@ def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...
             "`return_flash_attn_kwargs`; recipe: `padding_free: false`), not with TRL's `padding_free` or "
             "transformers' `DataCollatorWithFlattening`."
         )
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if checks_positions and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        from .builders import check_documents, refuse_float_document_ids  # builders -> cache -> guards
+
+        refuse_float_document_ids(mask)
+        check_documents(mask, positions if isinstance(positions, torch.Tensor) else None)
 
 
 def refuse_broken_kernels(model: torch.nn.Module) -> None:
