@@ -3,8 +3,9 @@
 Every case compiles the model with `torch.compile(model)` and trains it on 6 collated batches of new document layouts
 and new lengths, the compiled call first on each (a warm-up with the eager call hides the bug: the compiled graph then
 reads the state the eager call left). An eager twin of the same weights runs the same batch after it: compiled logits,
-loss and every gradient equal eager within 1e-5. Compiling stays bounded: the first batch compiles, the second (a new
-length) recompiles once with dynamic shapes, and the other four compile nothing.
+loss and every gradient equal eager within 1e-5 (gradients relative to their largest entry, where over 1). Compiling
+stays bounded: the first batch compiles, the second (a new length) recompiles once with dynamic shapes, and the other
+four compile nothing.
 
 The hook's replacements run outside dynamo's graphs (`registry.outside_graphs`); the negative control undoes that.
 """
@@ -43,7 +44,9 @@ def compiled_and_eager_differences(
     model_type, backend, route, **overrides
 ) -> tuple[list[tuple[float, float, float]], list[int]]:
     """Per batch, the largest compiled-eager differences of (logits, loss, gradients), and the compiled entries
-    dynamo holds after it (`overrides`: of the tiny config)."""
+    dynamo holds after it (`overrides`: of the tiny config). A gradient's difference is relative to its largest entry
+    where that passes 1: float32 rounds a sum to its magnitude, and inductor sums in another order than eager (rwkv's
+    embedding gradient of 63 was 1.1e-5 off, 3 ulps, on an AMD EPYC)."""
     torch._dynamo.reset()
     model = tiny_model(model_type, backend, **overrides).train()
     eager = copy.deepcopy(model)
@@ -61,7 +64,8 @@ def compiled_and_eager_differences(
             differences.append((
                 float((output.logits - expected.logits).abs().max()),
                 float((output.loss - expected.loss).abs()),
-                max(float((mine - theirs).abs().max()) for mine, theirs in gradients),
+                max(float((mine - theirs).abs().max() / theirs.abs().max().clamp(min=1))
+                    for mine, theirs in gradients),
             ))
             model.zero_grad()
             eager.zero_grad()
