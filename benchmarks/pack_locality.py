@@ -21,16 +21,11 @@ import numpy as np
 from llm_packing.core.binpack import pack_sequences
 from llm_packing.core.locality import local_order
 from llm_packing.core.plan import plan_rows
-from llm_packing.data import pack as dataset
+from llm_packing.data._io.split_documents import group_tokens
 
 
 WINDOW = 64 << 10  # bytes mapped around a faulting page
 TOKEN_BYTES = 4
-
-
-def group_tokens(total_tokens: int) -> int:
-    """Tokens per group, as `pack_dataset` sizes them."""
-    return min(max(total_tokens // dataset._GROUPS, dataset._MIN_GROUP_TOKENS), dataset._GROUP_TOKENS)
 
 
 def windows_mapped(order, lengths, starts) -> int:

@@ -237,6 +237,13 @@ def refuse_float_document_ids(attention_mask) -> None:
         )
 
 
+def check_mask_and_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    """What a builder checks of a 2-D mask and the forward's `position_ids`, for the models that call no builder: no
+    float document ids, positions restarting per document of an indexed mask, and none restarting inside a 0/1 one."""
+    refuse_float_document_ids(attention_mask)
+    check_documents(attention_mask, position_ids)
+
+
 def check_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
     """Whether the mask is indexed (some id > 1); the ids and positions are checked once per forward, from the host
     copy every part of the hook shares (`hook.documents`)."""

@@ -143,7 +143,8 @@ def _configure(model_or_config, attn_implementation: str | None, attention_route
         guards.refuse_labels_across_documents(model_or_config)
         guards.refuse_broken_kernels(model_or_config)
         peft_methods.refuse_activated_lora_added_later(model_or_config)
-        guards.refuse_flattened_batches_for_mixers(model_or_config, mixers.mask_reading_mixers(config.model_type))
+        guards.refuse_flattened_batches_for_mixers(model_or_config, mixers.mask_reading_mixers(config.model_type),
+                                                   builders.check_mask_and_positions)
         cache.honour_top_level_use_cache(model_or_config)
     multimodal.guard_media_inputs(model_or_config)
     mixers.patch_mixers(config.model_type)

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -136,21 +136,23 @@ def _refuse_labels_across_documents(module, args, kwargs):
         )
 
 
-def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tuple[str, ...]) -> None:
+def refuse_flattened_batches_for_mixers(model: torch.nn.Module, mixer_names: tuple[str, ...],
+                                        check_mask: Callable[[torch.Tensor, torch.Tensor | None], object]) -> None:
     """Refuse, before any layer runs, a padding-free batch for a model whose conv, SSM or delta-net mixers
     (`mixer_names`, none for most models) read the documents from the indexed mask (idempotent). Such a batch has no
     `attention_mask`, and `position_ids` that restart within its row, or `cu_seq_lens_q`: transformers isolates its
     attention from those, but nothing hands them to the mixers, whose state would run from one document into the next
     (tiny qwen3_next: 3.8e-2 off alone, lfm2: 6.2e-4).
 
-    A model that calls no mask builder (mamba2, rwkv, xlstm) also gets its mask and `position_ids` checked here,
-    where a builder would check them for the others: a 0/1 mask with positions restarting inside it is packed
-    documents the mixers read as one (2.8, 2.2 and 1.9 off alone)."""
+    A model that calls no mask builder (mamba2, rwkv, xlstm) also gets its 2-D mask and `position_ids` checked here
+    by `check_mask(mask, position_ids)` (the builders' check), where a builder would check them for the others: a 0/1
+    mask with positions restarting inside it is packed documents the mixers read as one (2.8, 2.2 and 1.9 off
+    alone)."""
     if mixer_names:
         module = input_module(model)
         builderless = calls_no_mask_builder(type(module).__module__)
         registry.add_forward_pre_hook(module, "flattened batches", functools.partial(
-            _refuse_flattened_batch, mixer_names=mixer_names, checks_positions=builderless))
+            _refuse_flattened_batch, mixer_names=mixer_names, check_mask=check_mask if builderless else None))
 
 
 def flattened_layout(kwargs: dict) -> str | None:
@@ -164,7 +166,7 @@ def flattened_layout(kwargs: dict) -> str | None:
     return "`cu_seq_lens_q`" if kwargs.get("cu_seq_lens_q") is not None else None
 
 
-def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...], checks_positions: bool):
+def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...], check_mask: Callable | None):
     layout = flattened_layout(kwargs)
     if layout is not None:
         raise ContaminationError(
@@ -176,11 +178,8 @@ def _refuse_flattened_batch(module, args, kwargs, *, mixer_names: tuple[str, ...
             "transformers' `DataCollatorWithFlattening`."
         )
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    if checks_positions and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
-        from .builders import check_documents, refuse_float_document_ids  # builders -> cache -> guards
-
-        refuse_float_document_ids(mask)
-        check_documents(mask, positions if isinstance(positions, torch.Tensor) else None)
+    if check_mask is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        check_mask(mask, positions if isinstance(positions, torch.Tensor) else None)
 
 
 def refuse_broken_kernels(model: torch.nn.Module) -> None:
