@@ -188,9 +188,9 @@ def _refuse_positions_the_builder_misses(arguments: dict) -> None:
         mask = torch.ones_like(positions)
     host = torch.stack([mask.detach().to(positions.device).long().expand_as(positions), positions.detach().long()])
     ids, host_positions = host.cpu().numpy()
-    restarts = (ids[:, 1:] > 0) & (ids[:, :-1] > 0) & (host_positions[:, 1:] <= host_positions[:, :-1])
-    if restarts.any():
-        row, col = map(int, np.argwhere(restarts)[0] + [0, 1])
+    restart = _first_restart(ids, host_positions)
+    if restart is not None:
+        row, col = restart
         raise ContaminationError(
             f"`position_ids` restart inside row {row} (token {col}: position {int(host_positions[row, col])} after "
             f"{int(host_positions[row, col - 1])}) of a batch without an indexed `attention_mask`, and model_type "
@@ -272,9 +272,9 @@ def _positions_restart_per_document(ids: np.ndarray, positions: np.ndarray) -> N
 def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> None:
     """A 0/1 mask lets every token of a row attend to all before it: `position_ids` restarting inside the row mean
     packed documents attending to each other (TRL's `return_position_ids=True` collator on packed rows)."""
-    restarts = (mask[:, 1:] > 0) & (mask[:, :-1] > 0) & (positions[:, 1:] <= positions[:, :-1])
-    if restarts.any():
-        row, col = map(int, np.argwhere(restarts)[0] + [0, 1])
+    restart = _first_restart(mask, positions)
+    if restart is not None:
+        row, col = restart
         raise ContaminationError(
             f"`position_ids` restart inside a row whose `attention_mask` is 0/1 (row {row}, token {col}: position "
             f"{int(positions[row, col])} after {int(positions[row, col - 1])}), so packed documents would attend to "
@@ -282,6 +282,25 @@ def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> Non
             "`llm_packing.PackedSFTTrainer`, or collate with `DataCollatorWithPacking` (indexed mask), or with TRL's "
             "`padding_free=True` (no mask) for a model without conv or recurrent mixers."
         )
+
+
+def _first_restart(mask: np.ndarray, positions: np.ndarray) -> tuple[int, int] | None:
+    """`(row, token)` of the first token whose position is not above the one before it while both are unmasked (a
+    document starting inside what the mask calls one sequence), or None.
+
+    Example:
+    ```python
+    >>> import numpy as np
+    >>> _first_restart(np.array([[1, 1, 1, 1, 0]]), np.array([[0, 1, 0, 1, 0]]))
+    (0, 2)
+
+    ```
+    """
+    restarts = (mask[:, 1:] > 0) & (mask[:, :-1] > 0) & (positions[:, 1:] <= positions[:, :-1])
+    if not restarts.any():
+        return None
+    row, col = np.argwhere(restarts)[0]
+    return int(row), int(col) + 1
 
 
 def mask_route(backend: str, config) -> str:
