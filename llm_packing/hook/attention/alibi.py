@@ -1,5 +1,5 @@
-"""ALiBi biases per document, for the architectures that build them from the 2-D attention mask (bloom, falcon with
-`alibi=True`).
+"""ALiBi biases per document: for the architectures that build them from the 2-D attention mask (bloom, falcon with
+`alibi=True`), and for MPT, which builds one bias for every row.
 
 Their `build_alibi_tensor(attention_mask, num_heads, dtype)` gives each key the bias `slope x position`, the position
 read from the mask as `(cumsum(mask) - 1) * mask`. An indexed mask (`[1, 1, 2, 2, 2, 0]`) turns that into nonsense
@@ -8,6 +8,14 @@ differently from each document's own. The hook replaces the builder with one tha
 the original builder gives that token's position within its document: exactly what the document alone gets.
 
 `ALIBI_MODULES` is the one table of modeling modules whose builder is replaced.
+
+MPT gives each key the bias `slope x (position - (row length - 1))`, counted from the row's last key. Softmax ignores a
+constant added to a query's scores, so a packed document gets the same attention in exact arithmetic, but not in
+float32: a document at the start of a long row adds biases of the row's magnitude to its scores, which rounds them
+where the document alone adds small ones (a tiny model, 2,040-token row, 32 heads: 4.7e-5 off alone in the logits;
+the last document of a row is exact). MPT's attention takes one 3-D bias `(heads, 1, keys)` for the whole batch,
+so the hook wraps it ([`patch_alibi`]): in a packed forward, each row runs with the bias its tokens get alone, key by
+key the value MPT's own bias gives that position counted from the end of its document.
 """
 
 import functools
@@ -16,17 +24,25 @@ import importlib
 import torch
 
 from .. import registry
-from ..documents import documents_of
-from ..masks import document_position_ids, is_integer_mask
+from ..documents import current_documents, documents_of
+from ..masks import document_lengths_per_token, document_position_ids, is_integer_mask
 
 
 # model_type -> modeling module whose module-level `build_alibi_tensor(attention_mask, num_heads, dtype)` the model
 # calls with its 2-D attention mask.
 ALIBI_MODULES = {"bloom": "bloom", "falcon": "falcon"}
+# model_type -> modeling module whose attention class `<Name>Attention` takes MPT's row bias as `position_bias`.
+ROW_BIAS_MODULES = {"mpt": "mpt"}
 
 def patch_alibi(model_type: str) -> None:
-    """Replace `build_alibi_tensor` in `model_type`'s modeling module, if it has one (idempotent; restored through
-    the registry)."""
+    """Replace `build_alibi_tensor` in `model_type`'s modeling module, or wrap MPT's attention, where the type has
+    either (idempotent; restored through the registry)."""
+    if model_type in ROW_BIAS_MODULES:
+        name = ROW_BIAS_MODULES[model_type]
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        attention = getattr(module, f"{name.capitalize()}Attention")
+        if not registry.is_ours(attention.forward):
+            registry.replace_attribute(attention, "forward", registry.ours(_rows_per_document(attention.forward)))
     if model_type not in ALIBI_MODULES:
         return
     name = ALIBI_MODULES[model_type]
@@ -63,3 +79,49 @@ def _per_document(original):
         return per_token.reshape(batch_size * num_heads, 1, length)
 
     return build_alibi_per_document
+
+
+def _rows_per_document(original):
+    @functools.wraps(original)
+    def attention_forward(self, hidden_states, position_bias, *args, **kwargs):
+        documents = current_documents()
+        batch_size, length = hidden_states.shape[:2]
+        # The cache is `cache` (`past_key_values` before transformers 5.24); a packed forward never has one.
+        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        if (args or cached or position_bias is None or position_bias.dim() != 3 or documents is None
+                or not documents.is_packed or documents.ids.shape != (batch_size, length)
+                or position_bias.shape[-1] < length):
+            return original(self, hidden_states, position_bias, *args, **kwargs)
+        biases = position_bias[:, 0, _bias_columns(documents, position_bias.shape[-1])]  # (heads, batch, length)
+        if batch_size == 1:
+            return original(self, hidden_states, biases, **kwargs)
+        mask = kwargs.pop("attention_mask", None)
+        rows = [
+            original(self, hidden_states[row : row + 1], biases[:, row, None],
+                     attention_mask=None if mask is None else mask[row : row + 1], **kwargs)
+            for row in range(batch_size)
+        ]
+        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
+
+    return attention_forward
+
+
+def _bias_columns(documents, columns: int) -> torch.Tensor:
+    """
+    For each token of a packed forward, the column of MPT's row bias (`columns` keys, the last one at bias 0) that
+    the token's key takes alone: its position counted back from its document's last token.
+
+    Example (documents of 2 and 3 tokens and a pad, a bias of 8 columns):
+    ```python
+    >>> import torch
+    >>> from llm_packing.hook.documents import documents_of
+    >>> _bias_columns(documents_of(torch.tensor([[1, 1, 2, 2, 2, 0]])), 8)
+    tensor([[6, 7, 5, 6, 7, 7]])
+
+    ```
+    """
+    def build():
+        positions = document_position_ids(documents.mask)
+        return positions - document_lengths_per_token(positions)
+
+    return documents.derived("MPT bias columns", build) + columns
