@@ -228,6 +228,34 @@ class TestStreaming:
         stream = datasets.IterableDataset.from_generator(examples)
         assert [row["input_ids"] for row in pack_dataset(stream, 2, buffer_size=2)] == input_ids
 
+    @pytest.mark.parametrize("workers", [0, 1], ids=["in process", "persistent worker"])
+    def test_each_epoch_reshuffles_the_stream_it_packs(self, workers):
+        """`Trainer` calls `set_epoch` on the packed stream each epoch: it reaches the shuffled stream under it, so
+        each epoch packs the documents in that epoch's order (the same rows every epoch before), in DataLoader workers
+        too."""
+        import torch
+
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(1, 20, 60)
+        documents = Dataset.from_dict({"input_ids": [rng.integers(3, 128, n).tolist() for n in lengths]})
+
+        def shuffled():
+            return documents.to_iterable_dataset(num_shards=6).shuffle(seed=0, buffer_size=8)
+
+        packed = pack_dataset(shuffled(), 32, buffer_size=16)
+        loader = torch.utils.data.DataLoader(packed, batch_size=None, num_workers=workers,
+                                             persistent_workers=workers > 0)
+        epochs = []
+        for epoch in (0, 1, 0):
+            packed.set_epoch(epoch)
+            epochs.append([[int(token) for token in row["input_ids"]] for row in loader])
+        assert epochs[0] != epochs[1]
+        assert epochs[2] == epochs[0]
+        if not workers:  # `datasets` orders a stream's shards otherwise in a worker process, packed or not
+            alone = shuffled()
+            alone.set_epoch(1)
+            assert epochs[1] == [row["input_ids"] for row in pack_dataset(alone, 32, buffer_size=16)]
+
     def test_iterable_dataset_dict_packs_each_split(self):
         splits = datasets.IterableDatasetDict({"train": Dataset.from_dict(SMALL).to_iterable_dataset()})
         assert [row["input_ids"] for row in pack_dataset(splits, 4)["train"]] == [[1, 2, 3, 6], [4, 5]]

@@ -32,6 +32,7 @@ from ..core.rows import (
 from ..core.stats import PackingStats
 from ..errors import PackingValueError
 from .pack_image_text import IMAGE_COLUMNS
+from .stream_epochs import epoch_following_stream
 
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def pack_iterable_dataset(
 
     Returns:
         [`~datasets.IterableDataset`]: packed rows; the stats are logged on the `llm_packing` logger once the stream
-        has been consumed.
+        has been consumed. Its `set_epoch(epoch)` (which `Trainer` calls each epoch) reaches `dataset`: a shuffled
+        stream is reshuffled per epoch as it would be unpacked.
 
     Example:
     ```python
@@ -93,10 +95,8 @@ def pack_iterable_dataset(
     options["keeps_labels"] = keeps_labels
     names = ["input_ids", *(["labels"] if keeps_labels else []), *(["position_ids"] if return_position_ids else []),
              "seq_lengths"]
-    return datasets.IterableDataset.from_generator(
-        _packed_rows, features=datasets.Features(dict.fromkeys(names, _TOKENS)),
-        gen_kwargs={"dataset": dataset, "options": options},
-    )
+    return epoch_following_stream(_packed_rows, dataset, datasets.Features(dict.fromkeys(names, _TOKENS)),
+                                  options=options)
 
 
 def _packed_rows(dataset, options) -> Iterator[dict[str, list[int]]]:

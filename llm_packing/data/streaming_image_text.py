@@ -36,6 +36,7 @@ from .pack_image_text import (
     packed_features,
     require_processor,
 )
+from .stream_epochs import epoch_following_stream
 
 
 __all__ = ["is_image_text_stream", "pack_image_text_stream"]
@@ -137,10 +138,8 @@ def pack_image_text_stream(
         check_processor("processor", processor, why="the stream holds images")
     options = {"max_length": max_length, "buffer_size": buffer_size, "strategy": strategy, "seed": seed,
                "overflow": overflow, "max_docs_per_bin": max_docs_per_bin}
-    return datasets.IterableDataset.from_generator(
-        _packed_rows, features=features,
-        gen_kwargs={"dataset": dataset, "planner": ConversationPlanner(processor, chat_template), "options": options},
-    )
+    return epoch_following_stream(_packed_rows, dataset, features,
+                                  planner=ConversationPlanner(processor, chat_template), options=options)
 
 
 def _packed_rows(dataset, planner, options) -> Iterator[dict[str, list]]:
