@@ -199,6 +199,17 @@ class TestPackedDatasetEpochs:
         assert documents_out(first.to_list()) == documents_out(second.to_list())
         assert epochs.repack(0)["input_ids"] == first["input_ids"]
 
+    def test_concatenated_epochs_are_each_epochs_packing_in_turn(self):
+        """What one Trainer epoch trains as several: each epoch's rows, one epoch after the other, every document once
+        per epoch."""
+        ids = [[100 + i, 200 + i, 300 + i] for i in range(12)] + [[i] for i in range(12)]
+        epochs = PackedDatasetEpochs(Dataset.from_dict({"input_ids": ids}), 4, seed=0)
+        together = epochs.concatenated(3, first_epoch=1)
+        assert together.to_list() == [row for epoch in (1, 2, 3) for row in epochs.repack(epoch).to_list()]
+        assert documents_out(together.to_list()) == sorted(documents_out(epochs.repack(0).to_list()) * 3)
+        with pytest.raises(PackingValueError, match=r"`num_epochs` must be .*0"):
+            epochs.concatenated(0)
+
 
 class TestStreaming:
     def test_matches_map_style_contract(self):

@@ -262,8 +262,13 @@ class PackedDatasetEpochs:
     documents anew (seed derived from `seed` and `epoch`).
 
     The bins' shapes (the multiset of `seq_lengths` per row) depend on the lengths only, so every epoch has the same
-    rows up to which documents of equal length fill them. Hand each epoch's dataset to its own `trainer.train()` (or
-    concatenate several epochs and train one epoch over them): a Trainer builds its dataloader once per `train()`.
+    rows up to which documents of equal length fill them.
+
+    With a `Trainer`, train one epoch over [`concatenated`] epochs: `train_dataset=epochs.concatenated(3)` with
+    `num_train_epochs=1` is one learning-rate schedule over the three packings, one series of checkpoints, and
+    `resume_from_checkpoint` resumes inside it (the Trainer shuffles the rows of all three together). Calling
+    `trainer.train()` once per `repack(epoch)` instead restarts the schedule each time, overwrites the earlier
+    epochs' checkpoints, and a resumed run loads the last epoch's final checkpoint and trains none of the next.
 
     Args:
         dataset ([`~datasets.Dataset`]):
@@ -331,6 +336,26 @@ class PackedDatasetEpochs:
         packed, self.stats = _pack_split(self._dataset, self._max_length, self._overflow, options, self._storage,
                                          documents=self._documents)
         return packed
+
+    def concatenated(self, num_epochs: int, first_epoch: int = 0) -> datasets.Dataset:
+        """
+        The packings of `num_epochs` epochs from `first_epoch` on, one after the other: what one `Trainer` epoch
+        trains as that many epochs. `self.stats` holds the last epoch's stats afterwards.
+
+        Example:
+        ```python
+        >>> from datasets import Dataset
+        >>> from llm_packing.data.pack import PackedDatasetEpochs
+        >>> epochs = PackedDatasetEpochs(Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5]]}), 3)
+        >>> [row["seq_lengths"] for row in epochs.concatenated(2)]
+        [[2, 1], [2], [2, 1], [2]]
+
+        ```
+        """
+        check_integer("num_epochs", num_epochs, minimum=1, meaning="epochs to concatenate")
+        check_integer("first_epoch", first_epoch, minimum=0, meaning="the epoch of the first packing")
+        return datasets.concatenate_datasets([self.repack(epoch) for epoch in range(first_epoch,
+                                                                                    first_epoch + num_epochs)])
 
 
 def _not_a_dataset_to_repack(dataset) -> PackingTypeError:
