@@ -269,8 +269,9 @@ class TestPackDatasetBadOptions:
         [
             (DatasetDict({"train": Dataset.from_dict(SMALL)}),
              r"got DatasetDict\. Repack each split on its own, e\.g\. `PackedDatasetEpochs\(dataset\['train'\], "),
-            (Dataset.from_dict(SMALL).to_iterable_dataset(), r"got IterableDataset\. A stream is read once, so it is "
-             r"not repacked: call `pack_dataset\(dataset, max_length, seed=epoch\)` for each epoch"),
+            (Dataset.from_dict(SMALL).to_iterable_dataset(), r"got IterableDataset\. A stream is packed as it is "
+             r"read, a buffer at a time: pack it once with `pack_dataset\(dataset, max_length\)`, .* new order each "
+             r"epoch\), or load it map-style"),
             ([{"input_ids": [1]}], r"got list\. Wrap your examples with `datasets\.Dataset\.from_dict`"),
         ],
         ids=["dataset-dict", "stream", "list"],

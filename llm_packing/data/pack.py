@@ -363,8 +363,10 @@ def _not_a_dataset_to_repack(dataset) -> PackingTypeError:
         split = "train" if "train" in dataset else next(iter(dataset), "train")
         fix = f"Repack each split on its own, e.g. `PackedDatasetEpochs(dataset[{split!r}], max_length)`."
     elif isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        fix = ("A stream is read once, so it is not repacked: call `pack_dataset(dataset, max_length, seed=epoch)` "
-               "for each epoch, or load it map-style (`load_dataset(..., streaming=False)`).")
+        fix = ("A stream is packed as it is read, a buffer at a time: pack it once with `pack_dataset(dataset, "
+               "max_length)`, whose rows follow the stream's order in each epoch (shuffle the stream with "
+               "`dataset.shuffle(seed, buffer_size)` for a new order each epoch), or load it map-style "
+               "(`load_dataset(..., streaming=False)`) to repack it globally per epoch.")
     else:
         fix = "Wrap your examples with `datasets.Dataset.from_dict` or `from_list`."
     return PackingTypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}. {fix}")
