@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from test_image_text_parity import DOCUMENTS, ROWS, make_case, pack
+from test_image_text_controls import _hooked_positions
+from test_image_text_parity import DOCUMENTS, ROWS, TOLERANCE, alone_logits, differences, make_case, pack
 from tiny_image_text import TinyImageText, model_inputs
 
 from llm_packing.batches.image_text import pack_image_text_documents
-from llm_packing.errors import PackingTypeError, PackingValueError, UnsupportedSetupError
+from llm_packing.errors import ContaminationError, PackingTypeError, PackingValueError, UnsupportedSetupError
 from llm_packing.hook.configure import packing_configured
 from llm_packing.hook.support import image_text as image_text_support
 
@@ -187,8 +188,6 @@ def test_mrope_positions_of_three_rows_are_refused():
 
 def test_mrope_positions_that_do_not_restart_per_document_are_refused():
     """The 2-D positions an mRoPE model's pre-hook replaces are checked first, as the mask builder checks them."""
-    from llm_packing.errors import ContaminationError
-
     case = make_case("qwen2_5_vl", "sdpa")
     row_positions = torch.arange(case.batch["input_ids"].shape[1]).expand_as(case.batch["input_ids"])
     refused_before_any_layer(case, ContaminationError, "must restart at 0 for every document",
@@ -217,6 +216,43 @@ def test_mllama_cross_attention_over_the_row_is_refused():
     )
     refused_before_any_layer(case, PackingValueError, "several documents .* see the same image slot",
                              cross_attention_mask=torch.from_numpy(over_row))
+
+
+@pytest.mark.parametrize("mask", ["none", "0/1"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_padding_free_mrope_positions_without_their_text_row_are_refused(model_type, mask):
+    """Each document's own 3-D positions `(3, batch, length)`, restarting at (0, 0, 0), and no indexed mask: the mask
+    builders get no positions from them, so the documents attended to each other (qwen2_5_vl 0.42, qwen3_vl 0.40 off
+    alone, with no mask and with a 0/1 one)."""
+    case = make_case(model_type, "sdpa")
+    positions = _hooked_positions(case)[1:]
+    ones = torch.ones_like(case.batch["attention_mask"]) if mask == "0/1" else None
+    refused_before_any_layer(case, ContaminationError, r"3-D mRoPE `position_ids` restart at \(0, 0, 0\)",
+                             attention_mask=ones, position_ids=positions)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "gemma3", "gemma4", "mllama"])
+def test_padding_free_images_transformers_does_not_keep_to_their_documents_are_refused(model_type):
+    """A padding-free batch with images (no mask, 2-D positions restarting per document): transformers isolates the
+    text attention from the positions, not the images. qwen3_vl puts image tokens at text positions (0.32 off alone),
+    Gemma 3 and 4 read their image blocks in document coordinates (0.37, 0.71), Mllama's text before a document's
+    first image cross-attends to every image of the row (0.013)."""
+    case = make_case(model_type, "sdpa")
+    refused_before_any_layer(case, ContaminationError, r"`position_ids` restart .* without an indexed "
+                             "`attention_mask`.*transformers does not keep its images", attention_mask=None)
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_padding_free_images_transformers_isolates_are_not_refused(model_type):
+    """Image tokens on a llama (no mask, restarting 2-D positions), and mRoPE's `(4, batch, length)` layout (text row
+    first, no mask): transformers' own packed path keeps each document to itself."""
+    case = make_case(model_type, "sdpa")
+    changes = {"attention_mask": None}
+    if model_type == "qwen2_5_vl":
+        changes["position_ids"] = _hooked_positions(case)
+    with packing_configured(case.model), torch.no_grad():
+        logits = case.model(**case.inputs(**changes), use_cache=False).logits
+    assert max(differences(case, logits, alone_logits(case.model, case.documents))) <= TOLERANCE
 
 
 # Mask builder calls --------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def _refuse_positions_the_builder_misses(arguments: dict) -> None:
         mask = torch.ones_like(positions)
     host = torch.stack([mask.detach().to(positions.device).long().expand_as(positions), positions.detach().long()])
     ids, host_positions = host.cpu().numpy()
-    restart = _first_restart(ids, host_positions)
+    restart = first_restart(ids, host_positions)
     if restart is not None:
         row, col = restart
         raise ContaminationError(
@@ -272,7 +272,7 @@ def _positions_restart_per_document(ids: np.ndarray, positions: np.ndarray) -> N
 def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> None:
     """A 0/1 mask lets every token of a row attend to all before it: `position_ids` restarting inside the row mean
     packed documents attending to each other (TRL's `return_position_ids=True` collator on packed rows)."""
-    restart = _first_restart(mask, positions)
+    restart = first_restart(mask, positions)
     if restart is not None:
         row, col = restart
         raise ContaminationError(
@@ -284,14 +284,14 @@ def _refuse_restarting_positions(mask: np.ndarray, positions: np.ndarray) -> Non
         )
 
 
-def _first_restart(mask: np.ndarray, positions: np.ndarray) -> tuple[int, int] | None:
+def first_restart(mask: np.ndarray, positions: np.ndarray) -> tuple[int, int] | None:
     """`(row, token)` of the first token whose position is not above the one before it while both are unmasked (a
     document starting inside what the mask calls one sequence), or None.
 
     Example:
     ```python
     >>> import numpy as np
-    >>> _first_restart(np.array([[1, 1, 1, 1, 0]]), np.array([[0, 1, 0, 1, 0]]))
+    >>> first_restart(np.array([[1, 1, 1, 1, 0]]), np.array([[0, 1, 0, 1, 0]]))
     (0, 2)
 
     ```

@@ -17,13 +17,13 @@ import functools
 
 import torch
 
-from ...errors import PackingValueError
+from ...errors import ContaminationError, PackingValueError
 from .. import registry
-from ..builders import check_documents
+from ..builders import check_documents, first_restart
 from ..documents import documents_of
 from ..guards import input_module
 from ..masks import is_integer_mask
-from ..support.image_text import require_images_supported
+from ..support.image_text import IMAGE_TOKENS, PROVEN_IMAGE_TEXT_TYPES, require_images_supported
 from . import cross_attention, video
 from .mrope import packed_mrope_position_ids, rope_index_module
 from .placeholders import documents_of_images, placeholder_mask
@@ -46,6 +46,8 @@ def install(model: torch.nn.Module) -> None:
     hook = functools.partial(
         _prepare_packed_batch, model_type=config.model_type, config=config, rope=rope_index_module(base), media=media
     )
+    registry.add_forward_pre_hook(base, "padding-free media", functools.partial(
+        _refuse_padding_free_documents, model_type=config.model_type, rope=rope_index_module(base), media=media))
     registry.add_forward_pre_hook(base, "image-text", hook)
     if config.model_type == "mllama":
         cross_attention.install(base)
@@ -115,6 +117,48 @@ def _prepare_packed_batch(module, args, kwargs, *, model_type, config, rope, med
         video_seconds=video.per_document(videos.get("second_per_grid_ts"), video_owners, n_documents),
     )
     return args, kwargs
+
+
+def _refuse_padding_free_documents(module, args, kwargs, *, model_type, rope, media):
+    """Refuse, before any layer runs, packed documents without an indexed mask (no mask, or a 0/1 one; `position_ids`
+    restarting within a row) that transformers does not isolate for this type, where nothing else refuses them:
+    - 3-D mRoPE `position_ids` `(3, batch, length)`, restarting at `(0, 0, 0)`: without the text row the mask builders
+      get no positions, so the documents attend to each other (0.28-0.78 off alone on the tiny mRoPE models);
+    - media with restarting 2-D positions, except for the image-token families (whose padding-free batches
+      transformers isolates): mRoPE image tokens at text positions (qwen3_vl: 0.32 off alone), Gemma 3/4 image
+      blocks that transformers reads in document coordinates (0.37, 0.71), Mllama's cross-attention of text before a
+      document's first image to every image of the row (0.013).
+    An indexed mask is handled by `_prepare_packed_batch`; the `(4, batch, length)` layout (text row first) by
+    transformers and the mask builders."""
+    positions, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2 or positions.dim() not in (2, 3):
+        return
+    if is_integer_mask(mask) and mask.numel() and bool(mask.max() > 1):
+        return
+    mrope_rows = rope is not None and positions.dim() == 3 and positions.shape[0] == 3
+    has_media = any(isinstance(kwargs.get(name), (torch.Tensor, list, tuple)) for name in media)
+    support = PROVEN_IMAGE_TEXT_TYPES.get(model_type)
+    if not (mrope_rows or (positions.dim() == 2 and has_media and support.family != IMAGE_TOKENS)):
+        return
+    flat = positions if positions.dim() == 2 else torch.where(
+        (positions == 0).all(0), 0, torch.arange(1, positions.shape[-1] + 1, device=positions.device))
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == flat.shape):
+        mask = torch.ones_like(flat)
+    host = torch.stack([mask.detach().to(flat.device).long(), flat.detach().long()]).cpu().numpy()
+    restart = first_restart(host[0], host[1])
+    if restart is None:
+        return
+    row, col = restart
+    layout = ("3-D mRoPE `position_ids` restart at (0, 0, 0)" if mrope_rows
+              else f"`position_ids` restart (position 0 after {int(host[1][row, col - 1])})")
+    why = ("without their text row the mask builders get no positions, so its documents would attend to each other"
+           if mrope_rows else "transformers does not keep its images to their documents in such a batch")
+    raise ContaminationError(
+        f"{layout} inside row {row} (token {col}) of a batch without an indexed `attention_mask`, for model_type "
+        f"{model_type!r}: {why}. Collate image-text rows with `llm_packing.DataCollatorWithPacking(processor=...)` "
+        "(its indexed mask; the hook computes each document's positions), or pack them with "
+        "`llm_packing.batches.image_text.pack_image_text_documents`."
+    )
 
 
 def _media_owners(model_type, config, documents, input_ids, type_ids, images, videos):
