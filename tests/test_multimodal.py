@@ -74,6 +74,20 @@ def test_gemma3n_packed_batch_with_image_or_audio_is_refused(inputs):
         _packed_forward(model, packed_batch(), **inputs)
 
 
+@pytest.mark.parametrize("mask", ["none", "0/1"])
+def test_gemma3n_padding_free_batch_with_an_image_is_refused(mask):
+    """The same for a padding-free batch (no indexed mask, `position_ids` restarting within a row): its images are not
+    kept to their documents either."""
+    model = tiny_model("gemma3n", "eager")
+    batch = packed_batch()
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+              "attention_mask": None if mask == "none" else (batch["attention_mask"] > 0).long()}
+    refused = pytest.raises(UnsupportedSetupError, match=r"A padding-free batch \(`position_ids` restarting within a "
+                            r"row\) reached Gemma3nForConditionalGeneration with media inputs: pixel_values")
+    with packing_configured(model), refused, torch.no_grad():
+        model(**inputs, pixel_values=torch.zeros(1, 3, 8, 8), use_cache=False)
+
+
 @pytest.mark.parametrize(("model_type", "error", "match"), [
     ("gemma3n", UnsupportedSetupError, rf"placeholder tokens \[{IMAGE_TOKEN_ID}, "),
     ("gemma3", PackingValueError, "0 features .* hold 1 image placeholder tokens"),

@@ -131,26 +131,18 @@ def _refuse_padding_free_documents(module, args, kwargs, *, model_type, rope, me
     An indexed mask is handled by `_prepare_packed_batch`; the `(4, batch, length)` layout (text row first) by
     transformers and the mask builders."""
     positions, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
-    if not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2 or positions.dim() not in (2, 3):
-        return
-    if is_integer_mask(mask) and mask.numel() and bool(mask.max() > 1):
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in (2, 3):
         return
     mrope_rows = rope is not None and positions.dim() == 3 and positions.shape[0] == 3
     has_media = any(isinstance(kwargs.get(name), (torch.Tensor, list, tuple)) for name in media)
-    support = PROVEN_IMAGE_TEXT_TYPES.get(model_type)
-    if not (mrope_rows or (positions.dim() == 2 and has_media and support.family != IMAGE_TOKENS)):
+    if not (mrope_rows or (positions.dim() == 2 and has_media
+                           and PROVEN_IMAGE_TEXT_TYPES[model_type].family != IMAGE_TOKENS)):
         return
-    flat = positions if positions.dim() == 2 else torch.where(
-        (positions == 0).all(0), 0, torch.arange(1, positions.shape[-1] + 1, device=positions.device))
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == flat.shape):
-        mask = torch.ones_like(flat)
-    host = torch.stack([mask.detach().to(flat.device).long(), flat.detach().long()]).cpu().numpy()
-    restart = first_restart(host[0], host[1])
+    restart = padding_free_restart(positions, mask)
     if restart is None:
         return
     row, col = restart
-    layout = ("3-D mRoPE `position_ids` restart at (0, 0, 0)" if mrope_rows
-              else f"`position_ids` restart (position 0 after {int(host[1][row, col - 1])})")
+    layout = "3-D mRoPE `position_ids` restart at (0, 0, 0)" if mrope_rows else "`position_ids` restart"
     why = ("without their text row the mask builders get no positions, so its documents would attend to each other"
            if mrope_rows else "transformers does not keep its images to their documents in such a batch")
     raise ContaminationError(
@@ -159,6 +151,36 @@ def _refuse_padding_free_documents(module, args, kwargs, *, model_type, rope, me
         "(its indexed mask; the hook computes each document's positions), or pack them with "
         "`llm_packing.batches.image_text.pack_image_text_documents`."
     )
+
+
+def padding_free_restart(positions: torch.Tensor, mask: torch.Tensor | None) -> tuple[int, int] | None:
+    """
+    `(row, token)` of the first document start inside a row of a batch without an indexed mask (`mask` None, 0/1, or
+    not the positions' shape), read from `position_ids` (2-D, or the 3 rows of mRoPE's `(3, batch, length)`, which
+    restart where all three are 0); None if they never restart, or if `mask` is an indexed one. One host copy.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> padding_free_restart(torch.tensor([[0, 1, 2, 0, 1]]), None)
+    (0, 3)
+    >>> mrope = torch.tensor([[[0, 1, 1, 0, 1]], [[0, 1, 2, 0, 1]], [[0, 1, 3, 0, 2]]])
+    >>> padding_free_restart(mrope, None)
+    (0, 3)
+    >>> padding_free_restart(mrope, torch.tensor([[1, 1, 1, 0, 0]]))  # the restart is on padding
+    >>> padding_free_restart(mrope, torch.tensor([[1, 1, 2, 2, 2]]))  # an indexed mask: not padding-free
+
+    ```
+    """
+    if positions.shape[-1] < 2 or (is_integer_mask(mask) and mask.numel() and bool(mask.max() > 1)):
+        return None
+    if positions.dim() == 3:
+        positions = torch.where((positions == 0).all(0), 0,
+                                torch.arange(1, positions.shape[-1] + 1, device=positions.device))
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == positions.shape):
+        mask = torch.ones_like(positions)
+    host = torch.stack([mask.detach().to(positions.device).long(), positions.detach().long()]).cpu().numpy()
+    return first_restart(host[0], host[1])
 
 
 def _media_owners(model_type, config, documents, input_ids, type_ids, images, videos):

@@ -56,10 +56,15 @@ def guard_media_inputs(model) -> None:
 
 
 def _refuse_media_in_packed_batch(module, args, kwargs, *, names, token_ids):
-    attention_mask = kwargs.get("attention_mask")
-    if not is_integer_mask(attention_mask) or not documents_of(attention_mask, kwargs.get("position_ids")).is_packed:
-        return
+    attention_mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
     given = [name for name in names if kwargs.get(name) is not None]
+    if is_integer_mask(attention_mask) and documents_of(attention_mask, positions).is_packed:
+        batch = "A packed batch (indexed `attention_mask`)"
+    elif (given and isinstance(positions, torch.Tensor) and positions.dim() in (2, 3)
+          and image_text.padding_free_restart(positions, attention_mask) is not None):
+        batch = "A padding-free batch (`position_ids` restarting within a row)"
+    else:
+        return
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if isinstance(input_ids, torch.Tensor) and token_ids:
         placeholders = torch.isin(input_ids, torch.tensor(token_ids, device=input_ids.device))
@@ -67,7 +72,7 @@ def _refuse_media_in_packed_batch(module, args, kwargs, *, names, token_ids):
             given.append(f"input_ids holding media placeholder tokens {token_ids}")
     if given:
         raise UnsupportedSetupError(
-            f"A packed batch (indexed `attention_mask`) reached {type(module).__name__} with media inputs: "
+            f"{batch} reached {type(module).__name__} with media inputs: "
             f"{', '.join(given)}. Packing isolates its text-only documents; its images, video and audio are not "
             "packed. Train multimodal rows without packing, or pack only text-only rows (image-text types packed "
             "with their images: `llm_packing.hook.support.image_text.supported_image_text_model_types()`)."
